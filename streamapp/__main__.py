@@ -1,0 +1,3 @@
+from streamapp.cli import main
+
+main()

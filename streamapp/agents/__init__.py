@@ -1,0 +1,1 @@
+"""Faust-independent agent logic: the inference pipeline."""

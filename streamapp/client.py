@@ -1,0 +1,265 @@
+"""Client side of the pipeline: publish keyed device events, collect results and dead letters.
+
+Used by ``streamapp publish``, the demo and the integration tests. It talks to Kafka with plain
+aiokafka, as a gateway in front of cameras would, not through Faust.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from tqdm import tqdm
+
+from streamapp.codecs import CodecName, decode_dead_letter, decode_result, encode_request
+from streamapp.records import DeadLetter, InferenceRequest, TensorPayload
+
+__all__ = [
+    "Outcomes",
+    "SentRequest",
+    "collect_outcomes",
+    "digits_requests",
+    "load_digits_frames",
+    "publish",
+    "publish_values",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class SentRequest:
+    """What was published for one frame.
+
+    Attributes:
+        request_id / device_id / seq / ts: As in the request.
+        index: Index of the image in ``sklearn.datasets.load_digits()`` (or -1).
+        sent_at: Epoch seconds when the producer handed it over.
+    """
+
+    request_id: str
+    device_id: str
+    seq: int
+    ts: float
+    index: int
+    sent_at: float
+
+
+def load_digits_frames() -> tuple[np.ndarray, np.ndarray]:
+    """The 1,797 real 8×8 handwritten digits bundled with scikit-learn.
+
+    Returns:
+        ``(images uint8[1797, 8, 8] with values 0..16, labels int64[1797])``.
+    """
+    from sklearn.datasets import load_digits  # heavy import, only when frames are needed
+
+    digits = load_digits()
+    return digits.images.astype(np.uint8), digits.target.astype(np.int64)
+
+
+def digits_requests(
+    images: np.ndarray,
+    *,
+    devices: int,
+    model: str = "digits",
+    run_id: str | None = None,
+    indices: Sequence[int] | None = None,
+) -> list[tuple[int, InferenceRequest]]:
+    """Turn images into requests from ``devices`` devices, round-robin, with per-device ``seq``.
+
+    Args:
+        images: ``uint8[n, 8, 8]``.
+        devices: Number of devices (``device-00`` ...), >= 1.
+        model: Model name put in each request.
+        run_id: Prefix of request ids (default: random), so runs never collide.
+        indices: Which images to send, in order (default: all).
+
+    Returns:
+        ``(image index, request)`` pairs in send order; ``ts`` is filled in when sent.
+    """
+    if devices < 1:
+        raise ValueError(f"devices must be >= 1, got {devices}")
+    run_id = run_id or uuid.uuid4().hex[:8]
+    seqs = [0] * devices
+    out = []
+    for n, index in enumerate(range(len(images)) if indices is None else indices):
+        d = n % devices
+        image = np.ascontiguousarray(images[index])
+        out.append(
+            (
+                index,
+                InferenceRequest(
+                    request_id=f"{run_id}-{n}",
+                    device_id=f"device-{d:02d}",
+                    seq=seqs[d],
+                    ts=0.0,
+                    model=model,
+                    tensor=TensorPayload(str(image.dtype), image.shape, image.tobytes()),
+                ),
+            )
+        )
+        seqs[d] += 1
+    return out
+
+
+def _producer(bootstrap_servers: str) -> AIOKafkaProducer:
+    return AIOKafkaProducer(
+        bootstrap_servers=bootstrap_servers, acks="all", linger_ms=2, request_timeout_ms=30_000
+    )
+
+
+async def publish(
+    bootstrap_servers: str,
+    topic: str,
+    requests: Sequence[tuple[int, InferenceRequest]],
+    *,
+    codec: CodecName = "json",
+    rate_per_s: float | None = None,
+    progress: bool = False,
+) -> list[SentRequest]:
+    """Publish requests keyed by ``device_id`` (UTF-8), stamping ``ts`` at send time.
+
+    Args:
+        bootstrap_servers: ``host:port``.
+        topic: The request topic.
+        requests: ``(image index, request)`` as from :func:`digits_requests`.
+        codec: ``"json"`` (base64 tensors) or ``"msgpack"`` (raw bytes).
+        rate_per_s: Open-loop send rate (requests/s); None sends as fast as possible.
+        progress: Show a progress bar on stderr.
+
+    Returns:
+        One :class:`SentRequest` per request, after the broker acknowledged all of them.
+    """
+    producer = _producer(bootstrap_servers)
+    await producer.start()
+    sent: list[SentRequest] = []
+    futures = []
+    bar = tqdm(total=len(requests), unit="frame", disable=not progress, desc="publish")
+    try:
+        start = time.monotonic()
+        for n, (index, request) in enumerate(requests):
+            if rate_per_s:
+                delay = start + n / rate_per_s - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+            now = time.time()
+            stamped = InferenceRequest(
+                request.request_id, request.device_id, request.seq, now, request.model,
+                request.tensor, request.image,
+            )
+            fut = await producer.send(
+                topic, encode_request(stamped, codec), key=request.device_id.encode()
+            )
+            fut.add_done_callback(lambda _f: bar.update(1))
+            futures.append(fut)
+            sent.append(
+                SentRequest(request.request_id, request.device_id, request.seq, now, index, now)
+            )
+        await asyncio.gather(*futures)
+    finally:
+        await producer.stop()
+        bar.close()
+    return sent
+
+
+async def publish_values(
+    bootstrap_servers: str, topic: str, records: Iterable[tuple[bytes | None, bytes]]
+) -> None:
+    """Publish raw ``(key, value)`` records in order (for bad-input tests and replays)."""
+    producer = _producer(bootstrap_servers)
+    await producer.start()
+    try:
+        for key, value in records:
+            await (await producer.send(topic, value, key=key))
+    finally:
+        await producer.stop()
+
+
+@dataclass
+class Outcomes:
+    """Results and dead letters read back, in topic order per partition.
+
+    Attributes:
+        results: Decoded result records, each with ``_received_at`` (epoch s) and ``_partition``.
+        dead_letters: Decoded dead letters.
+    """
+
+    results: list[dict[str, Any]] = field(default_factory=list)
+    dead_letters: list[DeadLetter] = field(default_factory=list)
+
+    def result_ids(self) -> set[str]:
+        return {r["request_id"] for r in self.results}
+
+    def dead_letter_ids(self) -> set[str | None]:
+        return {d.request_id for d in self.dead_letters}
+
+
+async def collect_outcomes(
+    bootstrap_servers: str,
+    result_topic: str,
+    dlq_topic: str,
+    *,
+    done: Callable[[Outcomes], bool],
+    timeout_s: float = 60.0,
+    progress_total: int | None = None,
+) -> Outcomes:
+    """Read both topics from the beginning until ``done(outcomes)`` or the timeout.
+
+    Args:
+        done: Called after each fetch; return True to stop.
+        timeout_s: Give up after this long and return what was read (callers check counts).
+        progress_total: Show a progress bar of outcomes read towards this total.
+
+    Returns:
+        What was read.
+    """
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap_servers,
+        group_id=None,
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+    )
+    await consumer.start()
+    outcomes = Outcomes()
+    bar = tqdm(total=progress_total, unit="result", disable=progress_total is None, desc="results")
+    try:
+        partitions = []
+        for topic in (result_topic, dlq_topic):
+            for p in sorted(await _partitions(consumer, topic)):
+                partitions.append(TopicPartition(topic, p))
+        consumer.assign(partitions)
+        await consumer.seek_to_beginning(*partitions)
+        deadline = time.monotonic() + timeout_s
+        while not done(outcomes) and time.monotonic() < deadline:
+            batches = await consumer.getmany(timeout_ms=200, max_records=5000)
+            now = time.time()
+            for tp, records in batches.items():
+                for record in records:
+                    assert record.value is not None
+                    if tp.topic == result_topic:
+                        result = decode_result(record.value)
+                        result["_received_at"] = now
+                        result["_partition"] = tp.partition
+                        outcomes.results.append(result)
+                    else:
+                        outcomes.dead_letters.append(decode_dead_letter(record.value))
+                    bar.update(1)
+    finally:
+        bar.close()
+        await consumer.stop()
+    return outcomes
+
+
+async def _partitions(consumer: AIOKafkaConsumer, topic: str) -> set[int]:
+    # Topics are created before any client runs (see streamapp.broker.create_topics); asking for
+    # a missing one would auto-create it on Tansu.
+    for _ in range(50):
+        parts = consumer.partitions_for_topic(topic)
+        if parts:
+            return set(parts)
+        await consumer._client.force_metadata_update()
+    raise RuntimeError(f"topic {topic!r} has no partitions; was it created?")

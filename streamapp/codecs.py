@@ -1,0 +1,295 @@
+"""Safe codecs for request, result and dead-letter values: JSON (base64 tensors) and msgpack
+(raw bytes). Never pickle.
+
+Request values are decoded defensively: every failure raises
+:class:`~streamapp.exceptions.InvalidRequestError` with one of the reason codes in
+:data:`REASONS`, and sizes are checked before any array is allocated.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import math
+from typing import Any, Literal
+
+import msgpack
+import numpy as np
+
+from streamapp.exceptions import InvalidRequestError
+from streamapp.records import DeadLetter, InferenceRequest, TensorPayload
+
+__all__ = [
+    "ALLOWED_DTYPES",
+    "REASONS",
+    "decode_dead_letter",
+    "decode_request",
+    "decode_result",
+    "encode_dead_letter",
+    "encode_request",
+    "encode_result",
+    "tensor_to_array",
+]
+
+CodecName = Literal["json", "msgpack"]
+
+#: Reason codes of rejected requests (dead-letter ``error.reason``).
+REASONS: dict[str, str] = {
+    "invalid_json": "the value is not valid UTF-8 JSON",
+    "invalid_msgpack": "the value is not valid msgpack",
+    "wrong_type": "the value is not an object/map, or a field has the wrong type",
+    "missing_field": "a required field is missing",
+    "too_large": "the value is larger than max_request_bytes",
+    "bad_tensor": "the tensor's data does not match its dtype and shape, or is not valid base64",
+    "unknown_model": "the model is not loaded by this worker",
+    "bad_dtype": "the tensor's dtype is not one the model accepts",
+    "bad_shape": "the tensor's shape is not the one the model expects",
+    "unsupported_input": "the model does not accept this kind of input (tensor/image)",
+    "inference_failed": "the engine failed on this request",
+}
+
+#: Element types a request tensor may have. Object, string and void dtypes are never accepted.
+ALLOWED_DTYPES: frozenset[str] = frozenset(
+    {"uint8", "int8", "uint16", "int16", "int32", "int64", "float16", "float32", "float64"}
+)
+
+_MAX_RANK = 8
+_REQUIRED: tuple[tuple[str, type | tuple[type, ...]], ...] = (
+    ("request_id", str),
+    ("device_id", str),
+    ("seq", int),
+    ("ts", (int, float)),
+    ("model", str),
+)
+
+
+# -- requests ------------------------------------------------------------------------------------
+
+
+def encode_request(request: InferenceRequest, codec: CodecName = "json") -> bytes:
+    """Encode a request value.
+
+    Args:
+        request: The request.
+        codec: ``"json"`` (tensor data and image base64, as a gateway sends) or ``"msgpack"``
+            (raw bytes).
+
+    Returns:
+        The record value.
+    """
+    body: dict[str, Any] = {
+        "request_id": request.request_id,
+        "device_id": request.device_id,
+        "seq": request.seq,
+        "ts": request.ts,
+        "model": request.model,
+    }
+    binary = codec == "msgpack"
+    if request.tensor is not None:
+        t = request.tensor
+        body["tensor"] = {
+            "dtype": t.dtype,
+            "shape": list(t.shape),
+            "data": t.data if binary else base64.b64encode(t.data).decode("ascii"),
+        }
+    if request.image is not None:
+        body["image"] = request.image if binary else base64.b64encode(request.image).decode()
+    if binary:
+        return msgpack.packb(body, use_bin_type=True)
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def _looks_like_msgpack_map(value: bytes) -> bool:
+    first = value[0]
+    return 0x80 <= first <= 0x8F or first in (0xDE, 0xDF)
+
+
+def decode_request(value: bytes | None, *, max_request_bytes: int = 1 << 20) -> InferenceRequest:
+    """Decode and validate a request value of either codec (detected from the first byte).
+
+    A value starting with a msgpack map header is msgpack; anything else is treated as JSON.
+
+    Args:
+        value: The raw record value.
+        max_request_bytes: Values longer than this are rejected before parsing.
+
+    Returns:
+        The request; its tensor's byte length is checked against dtype and shape.
+
+    Raises:
+        InvalidRequestError: With ``reason`` one of :data:`REASONS`.
+    """
+    if not value:
+        raise InvalidRequestError("invalid_json", "the value is empty; send a JSON object")
+    if len(value) > max_request_bytes:
+        raise InvalidRequestError(
+            "too_large",
+            f"the value is {len(value)} bytes, more than max_request_bytes={max_request_bytes}",
+        )
+    binary = _looks_like_msgpack_map(value)
+    body: Any
+    if binary:
+        try:
+            body = msgpack.unpackb(value, raw=False, strict_map_key=True)
+        except Exception as exc:  # msgpack raises several unrelated types
+            raise InvalidRequestError("invalid_msgpack", f"cannot decode msgpack: {exc}") from exc
+    else:
+        try:
+            body = json.loads(value)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise InvalidRequestError("invalid_json", f"cannot decode JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise InvalidRequestError(
+            "wrong_type", f"the value is a {type(body).__name__}, expected an object with fields"
+        )
+    return _request_from_body(body, binary=binary)
+
+
+def _field(body: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
+    if name not in body:
+        raise InvalidRequestError("missing_field", f"required field {name!r} is missing")
+    value = body[name]
+    if isinstance(value, bool) or not isinstance(value, kind):
+        want = kind.__name__ if isinstance(kind, type) else "number"
+        raise InvalidRequestError(
+            "wrong_type", f"field {name!r} is {type(value).__name__}, expected {want}"
+        )
+    return value
+
+
+def _request_from_body(body: dict[str, Any], *, binary: bool) -> InferenceRequest:
+    fields = {name: _field(body, name, kind) for name, kind in _REQUIRED}
+    if not math.isfinite(fields["ts"]):
+        raise InvalidRequestError("wrong_type", f"field 'ts' is {fields['ts']}, not a time")
+    for name in ("request_id", "device_id", "model"):
+        if not fields[name]:
+            raise InvalidRequestError("wrong_type", f"field {name!r} is empty")
+    tensor_body = body.get("tensor")
+    image_body = body.get("image")
+    if tensor_body is None and image_body is None:
+        raise InvalidRequestError(
+            "missing_field", "the request has neither 'tensor' nor 'image'; send one of them"
+        )
+    tensor = _tensor_from_body(tensor_body, binary=binary) if tensor_body is not None else None
+    image = _bytes_field(image_body, "image", binary=binary) if image_body is not None else None
+    return InferenceRequest(
+        request_id=fields["request_id"],
+        device_id=fields["device_id"],
+        seq=fields["seq"],
+        ts=float(fields["ts"]),
+        model=fields["model"],
+        tensor=tensor,
+        image=image,
+    )
+
+
+def _bytes_field(value: Any, name: str, *, binary: bool) -> bytes:
+    if binary and isinstance(value, bytes):
+        return value
+    if isinstance(value, str):
+        try:
+            return base64.b64decode(value, validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise InvalidRequestError("bad_tensor", f"field {name!r} is not base64: {exc}") from exc
+    raise InvalidRequestError(
+        "wrong_type",
+        f"field {name!r} is {type(value).__name__}, expected "
+        + ("bytes" if binary else "a base64 string"),
+    )
+
+
+def _tensor_from_body(body: Any, *, binary: bool) -> TensorPayload:
+    if not isinstance(body, dict):
+        raise InvalidRequestError(
+            "wrong_type", f"field 'tensor' is {type(body).__name__}, expected an object"
+        )
+    dtype = _field(body, "dtype", str)
+    shape = _field(body, "shape", list)
+    if "data" not in body:
+        raise InvalidRequestError("missing_field", "required field 'tensor.data' is missing")
+    if dtype not in ALLOWED_DTYPES:
+        raise InvalidRequestError(
+            "bad_dtype", f"tensor dtype {dtype!r} is not allowed; use one of "
+            f"{', '.join(sorted(ALLOWED_DTYPES))}"
+        )
+    if len(shape) > _MAX_RANK or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+    ):
+        raise InvalidRequestError(
+            "bad_shape", f"tensor shape {shape!r} must be a list of at most {_MAX_RANK} "
+            "non-negative integers"
+        )
+    data = _bytes_field(body["data"], "tensor.data", binary=binary)
+    expected = math.prod(shape) * np.dtype(dtype).itemsize
+    if len(data) != expected:
+        raise InvalidRequestError(
+            "bad_tensor",
+            f"tensor data is {len(data)} bytes, but {dtype}{shape} needs {expected} bytes",
+        )
+    return TensorPayload(dtype=dtype, shape=tuple(shape), data=data)
+
+
+def tensor_to_array(tensor: TensorPayload) -> np.ndarray:
+    """A read-only numpy view of a decoded tensor (no copy): ``dtype[*shape]``, little-endian."""
+    return np.frombuffer(tensor.data, dtype=np.dtype(tensor.dtype).newbyteorder("<")).reshape(
+        tensor.shape
+    )
+
+
+# -- results -------------------------------------------------------------------------------------
+
+
+def encode_result(result: dict[str, Any], codec: CodecName = "json") -> bytes:
+    """Encode a result (``InferenceResult.to_dict()``) as JSON or msgpack."""
+    if codec == "msgpack":
+        return msgpack.packb(result, use_bin_type=True)
+    return json.dumps(result, separators=(",", ":")).encode()
+
+
+def decode_result(value: bytes) -> dict[str, Any]:
+    """Decode a result value of either codec."""
+    if value and _looks_like_msgpack_map(value):
+        out: dict[str, Any] = msgpack.unpackb(value, raw=False)
+        return out
+    decoded: dict[str, Any] = json.loads(value)
+    return decoded
+
+
+# -- dead letters --------------------------------------------------------------------------------
+
+
+def encode_dead_letter(letter: DeadLetter) -> bytes:
+    """Encode a dead letter as JSON; the original key and value are base64, byte for byte."""
+    body = {
+        "request_id": letter.request_id,
+        "device_id": letter.device_id,
+        "error": letter.error,
+        "attempts": letter.attempts,
+        "first_failed_ts": letter.first_failed_ts,
+        "last_failed_ts": letter.last_failed_ts,
+        "source": letter.source,
+        "worker": letter.worker,
+        "key": None if letter.key is None else base64.b64encode(letter.key).decode("ascii"),
+        "value": base64.b64encode(letter.value).decode("ascii"),
+        **({"extra": letter.extra} if letter.extra else {}),
+    }
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def decode_dead_letter(value: bytes) -> DeadLetter:
+    """Decode a dead letter written by :func:`encode_dead_letter`."""
+    body = json.loads(value)
+    return DeadLetter(
+        value=base64.b64decode(body["value"]),
+        key=None if body["key"] is None else base64.b64decode(body["key"]),
+        error=body["error"],
+        attempts=body["attempts"],
+        first_failed_ts=body["first_failed_ts"],
+        last_failed_ts=body["last_failed_ts"],
+        source=body["source"],
+        request_id=body.get("request_id"),
+        device_id=body.get("device_id"),
+        worker=body.get("worker", ""),
+        extra=body.get("extra", {}),
+    )

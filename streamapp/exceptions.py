@@ -1,0 +1,70 @@
+"""Error tree of the ``streamapp`` package.
+
+Every error derives from :class:`StreamAppError` and carries a ``retriable`` flag and a ``reason``
+code. Routing reads the flag: retriable failures go to the retry topic, the others to the
+dead-letter queue with their reason code. Bugs in our code are :class:`InternalError`.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BrokerError",
+    "ConfigError",
+    "InternalError",
+    "InvalidRequestError",
+    "ModelNotFoundError",
+    "StreamAppError",
+]
+
+
+class StreamAppError(Exception):
+    """Root of all streamapp errors.
+
+    Attributes:
+        retriable: True when processing the same message again may succeed.
+        reason: Short machine-readable reason code (dead-letter records, metrics labels).
+    """
+
+    retriable: bool = False
+    reason: str = "error"
+
+
+class BrokerError(StreamAppError):
+    """The embedded broker could not be started, reached or stopped."""
+
+    reason = "broker_error"
+
+
+class ConfigError(StreamAppError, ValueError):
+    """A setting has an invalid value."""
+
+    reason = "config_error"
+
+
+class ModelNotFoundError(StreamAppError, LookupError):
+    """A model name is not in the model repository."""
+
+    reason = "unknown_model"
+
+
+class InvalidRequestError(StreamAppError, ValueError):
+    """A request value cannot be processed; retrying cannot fix it, so it goes to the DLQ.
+
+    Args:
+        reason: Reason code, one of :data:`streamapp.codecs.REASONS`.
+        message: What was wrong with which field, and how to fix it.
+    """
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+    @property
+    def message(self) -> str:
+        return str(self.args[0])
+
+
+class InternalError(StreamAppError):
+    """A bug in streamapp, never a property of the input."""
+
+    reason = "internal_error"

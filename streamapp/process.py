@@ -1,0 +1,126 @@
+"""Run a worker as a child process and wait until it is ready (demo, tests, benchmarks)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from streamapp.exceptions import StreamAppError
+
+__all__ = ["WorkerProcess", "free_port"]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago on ``host``."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class WorkerProcess:
+    """``streamapp worker`` in a child process, configured through ``STREAMAPP_*`` variables.
+
+    Args:
+        settings: Setting name → value (e.g. ``{"broker": "kafka://...", "app_id": "x"}``);
+            ``web_port`` is chosen free when absent.
+        log_path: Where the worker's stdout/stderr go.
+        cwd: Working directory of the worker.
+    """
+
+    def __init__(self, settings: dict[str, Any], log_path: Path, cwd: Path | None = None) -> None:
+        self.settings = dict(settings)
+        self.settings.setdefault("web_port", free_port())
+        self.log_path = log_path
+        self.cwd = cwd
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def web_url(self) -> str:
+        return f"http://127.0.0.1:{self.settings['web_port']}"
+
+    def start(self) -> WorkerProcess:
+        env = dict(os.environ)
+        for name, value in self.settings.items():
+            if isinstance(value, list | tuple):
+                value = ",".join(map(str, value))
+            env[f"STREAMAPP_{name.upper()}"] = str(value)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "streamapp", "worker"],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=self.cwd,
+                start_new_session=True,
+            )
+        return self
+
+    def get(self, path: str, timeout_s: float = 2.0) -> tuple[int, Any]:
+        """GET a path of the worker's web server: ``(status, decoded JSON body)``."""
+        try:
+            with urllib.request.urlopen(self.web_url + path, timeout=timeout_s) as response:
+                return response.status, json.loads(response.read() or b"null")
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read() or b"null")
+
+    def wait_ready(self, timeout_s: float = 60.0) -> float:
+        """Wait until ``/ready`` answers 200; return the seconds waited.
+
+        Raises:
+            StreamAppError: The worker exited or was not ready in time (with its log tail).
+        """
+        start = time.monotonic()
+        while time.monotonic() - start < timeout_s:
+            if self.process is None or self.process.poll() is not None:
+                raise StreamAppError(f"the worker exited early:\n{self.log_tail()}")
+            try:
+                status, _ = self.get("/ready", timeout_s=1.0)
+                if status == 200:
+                    return time.monotonic() - start
+            except (OSError, ValueError):
+                pass  # web server not up yet
+            time.sleep(0.1)
+        raise StreamAppError(f"the worker was not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except FileNotFoundError:
+            return "(no log)"
+
+    def stop(self, timeout_s: float = 15.0, sig: int = signal.SIGTERM) -> int | None:
+        """Send ``sig`` (SIGTERM: clean shutdown), then SIGKILL after ``timeout_s``. Idempotent."""
+        proc = self.process
+        if proc is None or proc.poll() is not None:
+            return None if proc is None else proc.returncode
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            return proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            return proc.wait(5)
+
+    def kill(self) -> None:
+        """SIGKILL the worker (a crash)."""
+        self.stop(timeout_s=5.0, sig=signal.SIGKILL)
+
+    def __enter__(self) -> WorkerProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

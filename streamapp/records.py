@@ -1,0 +1,106 @@
+"""Message contracts: inference requests, results and dead letters (see shared/DESIGN.md).
+
+Plain dataclasses, not Faust ``Record`` models: request values are decoded by our own codecs
+(:mod:`streamapp.codecs`) from raw bytes, so that bad input becomes a dead letter with a reason
+instead of a deserialization crash inside Faust.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["DeadLetter", "InferenceRequest", "InferenceResult", "TensorPayload"]
+
+
+@dataclass(frozen=True, slots=True)
+class TensorPayload:
+    """A tensor as carried in a request.
+
+    Attributes:
+        dtype: numpy dtype name, e.g. ``"uint8"`` or ``"float32"`` (little-endian data).
+        shape: Dimensions, e.g. ``(8, 8)``.
+        data: Raw C-order bytes; ``len(data) == prod(shape) * itemsize`` (checked on decode).
+    """
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class InferenceRequest:
+    """One keyed device event asking for a prediction.
+
+    Attributes:
+        request_id: Unique id; results and dead letters carry it so sinks can de-duplicate.
+        device_id: The device; also the Kafka key (raw UTF-8 bytes).
+        seq: Per-device sequence number, increasing.
+        ts: Capture time, epoch seconds.
+        model: Model name in the model repository, e.g. ``"digits"``.
+        tensor: The input tensor, or None when ``image`` is given.
+        image: Encoded image bytes (JPEG/PNG), or None when ``tensor`` is given.
+    """
+
+    request_id: str
+    device_id: str
+    seq: int
+    ts: float
+    model: str
+    tensor: TensorPayload | None = None
+    image: bytes | None = None
+
+
+@dataclass(slots=True)
+class InferenceResult:
+    """A prediction for one request (JSON form in ``inference-result``).
+
+    Timings are milliseconds: ``queue_ms`` from reading the request to its batch starting,
+    ``infer_ms`` the batch's engine time, ``e2e_ms`` from the request's ``ts`` to the result
+    being handed to the producer.
+    """
+
+    request_id: str
+    device_id: str
+    seq: int
+    model: str
+    engine: str
+    outputs: dict[str, Any]
+    attempt: int
+    queue_ms: float
+    infer_ms: float
+    e2e_ms: float
+    batch_id: str
+    batch_size: int
+    worker: str
+    ts: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(slots=True)
+class DeadLetter:
+    """A request that could not be answered (JSON form in ``inference-dlq``).
+
+    Attributes:
+        value: The original record value, byte for byte (base64 in the JSON form).
+        key: The original record key (base64 in the JSON form), or None.
+        error: ``{reason, type, message, stage}``.
+        attempts: Processing attempts made (1 for input rejected on decode).
+        first_failed_ts / last_failed_ts: Epoch seconds.
+        source: ``{topic, partition, offset}`` of the original record.
+        request_id / device_id: Copied from the request when it could be decoded, else None.
+    """
+
+    value: bytes
+    key: bytes | None
+    error: dict[str, str]
+    attempts: int
+    first_failed_ts: float
+    last_failed_ts: float
+    source: dict[str, Any]
+    request_id: str | None = None
+    device_id: str | None = None
+    worker: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)

@@ -1,0 +1,148 @@
+"""One frozen, typed settings object for the worker, the CLI and the tests.
+
+Values come from (highest first): explicit keyword arguments / CLI flags, environment variables
+prefixed ``STREAMAPP_`` (e.g. ``STREAMAPP_MAX_BATCH_SIZE=64``), then the defaults below. Nothing
+is read at import time: call :func:`load_settings` (or ``Settings()``) when you need them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from streamapp.exceptions import ConfigError
+
+__all__ = ["Backend", "Codec", "Settings", "load_settings"]
+
+Codec = Literal["json", "msgpack"]
+Backend = Literal["auto", "onnxruntime", "tensorrt", "torch", "fake"]
+
+#: Defaults from shared/BROKER.md: with these a worker joins its group in about 5 s on Tansu
+#: (Tansu holds each JoinGroup for half the session timeout).
+_FAST_GROUP = {"session_timeout_s": 6.0, "heartbeat_interval_s": 1.0, "rebalance_timeout_s": 6.0}
+
+
+class Settings(BaseSettings):
+    """Worker settings. Field names carry their units.
+
+    Raises:
+        pydantic.ValidationError: (through ``Settings(...)``) a value has the wrong type or range;
+            :func:`load_settings` turns it into :class:`ConfigError`.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="STREAMAPP_", frozen=True, extra="forbid")
+
+    # -- Kafka ---------------------------------------------------------------------------------
+    broker: str = Field(
+        "kafka://127.0.0.1:9092",
+        description="Bootstrap servers, Faust URL form: kafka://host:port[;kafka://host2:port].",
+    )
+    app_id: str = Field("streamapp", description="Faust app id = Kafka consumer group id.")
+    topic_prefix: str = Field("", description="Prefix for every topic name, e.g. 'prod.'.")
+    topic_partitions: int = Field(8, ge=1, description="Partitions of the request topic.")
+    result_codec: Codec = Field("json", description="Encoding of result records.")
+    session_timeout_s: float = Field(_FAST_GROUP["session_timeout_s"], gt=0)
+    heartbeat_interval_s: float = Field(_FAST_GROUP["heartbeat_interval_s"], gt=0)
+    rebalance_timeout_s: float = Field(_FAST_GROUP["rebalance_timeout_s"], gt=0)
+    request_timeout_s: float = Field(30.0, gt=0)
+    producer_linger_ms: float = Field(1.0, ge=0, description="Producer batching delay.")
+    stream_buffer_maxsize: int = Field(
+        4096, ge=1, description="Messages Faust buffers per partition before pausing fetches."
+    )
+
+    # -- Batching and engines --------------------------------------------------------------------
+    max_batch_size: int = Field(32, ge=1, description="A batch closes at this many requests.")
+    max_batch_delay_ms: float = Field(
+        5.0, ge=0, description="A batch closes this long after its first request (ms)."
+    )
+    max_inflight_batches: int = Field(
+        2, ge=1, description="Batches running at once; reading pauses beyond this (backpressure)."
+    )
+    backend: Backend = Field("auto", description="Engine backend, or 'auto'.")
+    models_dir: Path | None = Field(
+        None, description="Model repository; default: the models bundled with streamapp."
+    )
+    models: Annotated[tuple[str, ...], NoDecode] = Field(
+        ("digits",), description="Models to load (comma-separated in the environment)."
+    )
+    max_request_bytes: int = Field(
+        1_048_576, ge=64, description="Largest request value accepted (bytes)."
+    )
+    top_k: int = Field(3, ge=1, description="Labels with scores in each classification result.")
+
+    # -- Worker ------------------------------------------------------------------------------------
+    worker_name: str = Field("", description="Name put in results; default host:pid.")
+    data_dir: Path = Field(Path("data"), description="Faust data dir (tables, RocksDB).")
+    web_bind: str = Field("127.0.0.1", description="Address the worker's web server binds.")
+    web_port: int = Field(6066, ge=0, le=65535, description="Web server port; 0 picks a free one.")
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @field_validator("models", mode="before")
+    @classmethod
+    def _split_models(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return tuple(m.strip() for m in value.split(",") if m.strip())
+        return value
+
+    @model_validator(mode="after")
+    def _check(self) -> Settings:
+        if self.heartbeat_interval_s >= self.session_timeout_s:
+            raise ValueError(
+                f"heartbeat_interval_s ({self.heartbeat_interval_s}) must be smaller than "
+                f"session_timeout_s ({self.session_timeout_s})"
+            )
+        if not self.models:
+            raise ValueError("models is empty; name at least one model, e.g. 'digits'")
+        return self
+
+    # -- Derived -----------------------------------------------------------------------------------
+    def topic(self, name: str) -> str:
+        """Full topic name for a logical name: ``request`` → ``<prefix>inference-request``."""
+        return f"{self.topic_prefix}inference-{name}"
+
+    @property
+    def request_topic(self) -> str:
+        return self.topic("request")
+
+    @property
+    def result_topic(self) -> str:
+        return self.topic("result")
+
+    @property
+    def dlq_topic(self) -> str:
+        return self.topic("dlq")
+
+    @property
+    def bootstrap_servers(self) -> str:
+        """``host:port,host2:port`` for plain Kafka clients (aiokafka)."""
+        parts = [p.strip() for p in self.broker.replace(",", ";").split(";") if p.strip()]
+        return ",".join(p.split("://", 1)[-1] for p in parts)
+
+    @property
+    def faust_broker(self) -> str:
+        """The broker list in Faust's URL form."""
+        return ";".join(f"kafka://{s}" for s in self.bootstrap_servers.split(","))
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Build settings from the environment, with ``overrides`` (e.g. CLI flags) on top.
+
+    ``None`` overrides are ignored, so CLI options default to "not given".
+
+    Raises:
+        ConfigError: A value is invalid; the message names the field and the problem.
+    """
+    given = {k: v for k, v in overrides.items() if v is not None}
+    try:
+        return Settings(**given)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or 'settings'}: {err['msg']}"
+            for err in exc.errors()
+        )
+        raise ConfigError(
+            f"invalid settings ({problems}); environment variables use the prefix STREAMAPP_"
+        ) from exc

@@ -1,0 +1,219 @@
+"""MicroBatcher: closes on size and on delay (fake clock), keeps put order, bounds in-flight."""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import pytest
+
+from streamapp.batching import Completion, MicroBatcher
+
+
+class FakeClock:
+    """A monotonic clock that only moves when a test calls :meth:`advance`."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._timers: list[tuple[float, int, asyncio.Future[None]]] = []
+        self._ids = itertools.count()
+
+    def __call__(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._timers, (self.now + seconds, next(self._ids), fut))
+        await fut
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+        while self._timers and self._timers[0][0] <= self.now + 1e-12:
+            _, _, fut = heapq.heappop(self._timers)
+            if not fut.done():
+                fut.set_result(None)
+
+
+async def wait_for(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    """Yield to the event loop until ``condition()`` holds (fails the test after the timeout)."""
+    async with asyncio.timeout(timeout_s):
+        while not condition():
+            await asyncio.sleep(0)
+
+
+async def settle() -> None:
+    """Let every runnable task run until the loop has nothing ready (no wall-clock wait)."""
+    for _ in range(50):
+        await asyncio.sleep(0)
+
+
+class Recorder:
+    """run_batch / emit pair that records what the batcher did."""
+
+    def __init__(self) -> None:
+        self.batches: list[tuple[Hashable, list[Any]]] = []
+        self.emitted: list[Completion[Any]] = []
+        self.gates: dict[int, asyncio.Event] = {}
+        self.gated = False
+        self.fail_keys: set[Hashable] = set()
+
+    async def run_batch(self, key: Hashable, items: list[Any]) -> Sequence[Any]:
+        index = len(self.batches)
+        self.batches.append((key, list(items)))
+        if self.gated:
+            gate = self.gates.setdefault(index, asyncio.Event())
+            await gate.wait()
+        if key in self.fail_keys:
+            raise RuntimeError(f"batch {index} failed")
+        return [f"r{item}" for item in items]
+
+    def release(self, index: int) -> None:
+        self.gates.setdefault(index, asyncio.Event()).set()
+
+    async def emit(self, completion: Completion[Any]) -> None:
+        self.emitted.append(completion)
+
+
+def make(rec: Recorder, clock: FakeClock, **kw: Any) -> MicroBatcher[Any]:
+    opts: dict[str, Any] = {
+        "max_batch_size": 4,
+        "max_batch_delay_ms": 50.0,
+        "max_inflight_batches": 2,
+    }
+    opts.update(kw)
+    return MicroBatcher(rec.run_batch, rec.emit, clock=clock, sleep=clock.sleep, **opts)
+
+
+async def test_closes_on_size_without_waiting_for_the_delay() -> None:
+    rec, clock = Recorder(), FakeClock()
+    async with make(rec, clock, max_batch_delay_ms=10_000) as batcher:
+        for i in range(8):
+            await batcher.put(i)
+        await wait_for(lambda: len(rec.emitted) == 8)
+        assert [items for _, items in rec.batches] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+        assert batcher.stats.closed_by_size == 2
+        assert batcher.stats.closed_by_delay == 0
+        assert clock.now == 0.0
+
+
+async def test_closes_on_delay_measured_from_the_first_item() -> None:
+    rec, clock = Recorder(), FakeClock()
+    async with make(rec, clock, max_batch_size=10, max_batch_delay_ms=50) as batcher:
+        await batcher.put("a")
+        clock.advance(0.030)
+        await batcher.put("b")
+        clock.advance(0.019)
+        await settle()
+        assert rec.batches == []  # 49 ms after the first item: still open
+        clock.advance(0.001)
+        await wait_for(lambda: len(rec.emitted) == 2)
+        assert rec.batches == [(None, ["a", "b"])]
+        assert batcher.stats.closed_by_delay == 1
+        info = rec.emitted[0].batch
+        assert info is not None and info.closed_by == "delay"
+        assert info.closed_at - info.opened_at == pytest.approx(0.050)
+
+
+async def test_emits_in_put_order_when_a_later_batch_finishes_first() -> None:
+    rec, clock = Recorder(), FakeClock()
+    rec.gated = True
+    async with make(rec, clock, max_batch_size=2) as batcher:
+        for i in range(4):
+            await batcher.put(i)
+        await wait_for(lambda: len(rec.batches) == 2)
+        rec.release(1)  # second batch finishes first
+        await settle()
+        assert rec.emitted == []  # held back: item 0 is not done yet
+        rec.release(0)
+        await wait_for(lambda: len(rec.emitted) == 4)
+        assert [c.item for c in rec.emitted] == [0, 1, 2, 3]
+        assert [c.result for c in rec.emitted] == ["r0", "r1", "r2", "r3"]
+
+
+async def test_rejected_items_keep_their_place_in_the_order() -> None:
+    rec, clock = Recorder(), FakeClock()
+    async with make(rec, clock, max_batch_size=3) as batcher:
+        await batcher.put(0)
+        await batcher.put_done("bad", ValueError("bad input"))
+        await batcher.put(1)
+        await batcher.put(2)
+        await wait_for(lambda: len(rec.emitted) == 4)
+        assert [c.item for c in rec.emitted] == [0, "bad", 1, 2]
+        assert isinstance(rec.emitted[1].error, ValueError)
+        assert rec.emitted[1].batch is None
+        assert rec.batches == [(None, [0, 1, 2])]
+
+
+async def test_bounds_batches_in_flight_and_applies_backpressure() -> None:
+    rec, clock = Recorder(), FakeClock()
+    rec.gated = True
+    batcher = make(rec, clock, max_batch_size=2, max_inflight_batches=2)
+    assert batcher.max_pending == 6  # two batches running + one being assembled
+    await batcher.start()
+    for i in range(6):
+        await batcher.put(i)
+    await settle()
+    assert len(rec.batches) == 2  # third closed batch waits for a slot
+    assert batcher.inflight == 2
+    blocked = asyncio.create_task(batcher.put(6))
+    await settle()
+    assert not blocked.done()  # pending == max_pending: the consumer must stop reading
+    assert batcher.pending == 6
+    rec.release(0)
+    await wait_for(lambda: blocked.done())
+    await wait_for(lambda: len(rec.batches) == 3)
+    for i in range(1, 4):
+        rec.release(i)
+    clock.advance(1.0)
+    await batcher.stop()
+    assert batcher.stats.max_inflight_seen == 2
+    assert batcher.stats.max_pending_seen == 6
+    assert [c.item for c in rec.emitted] == list(range(7))
+
+
+async def test_failed_batch_fails_each_of_its_items_only() -> None:
+    rec, clock = Recorder(), FakeClock()
+    rec.fail_keys = {"bad-model"}
+    async with make(rec, clock, max_batch_size=2) as batcher:
+        await batcher.put(0, key="good")
+        await batcher.put(1, key="bad-model")
+        await batcher.put(2, key="good")
+        await batcher.put(3, key="bad-model")
+        await wait_for(lambda: len(rec.emitted) == 4)
+    outcomes = {c.item: (c.result, type(c.error).__name__) for c in rec.emitted}
+    assert outcomes == {
+        0: ("r0", "NoneType"),
+        1: (None, "RuntimeError"),
+        2: ("r2", "NoneType"),
+        3: (None, "RuntimeError"),
+    }
+    assert sorted(items for _, items in rec.batches) == [[0, 2], [1, 3]]  # keys never mix
+
+
+async def test_stop_drains_open_batches() -> None:
+    rec, clock = Recorder(), FakeClock()
+    batcher = make(rec, clock, max_batch_size=100, max_batch_delay_ms=10_000)
+    await batcher.start()
+    for i in range(5):
+        await batcher.put(i)
+    await batcher.stop()
+    assert [c.item for c in rec.emitted] == [0, 1, 2, 3, 4]
+    assert batcher.stats.closed_by_flush == 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_batch_size": 0}, "max_batch_size"),
+        ({"max_batch_delay_ms": -1}, "max_batch_delay_ms"),
+        ({"max_inflight_batches": 0}, "max_inflight_batches"),
+        ({"max_pending": 1}, "max_pending"),
+    ],
+)
+def test_rejects_bad_limits(kwargs: dict[str, Any], message: str) -> None:
+    rec, clock = Recorder(), FakeClock()
+    with pytest.raises(ValueError, match=message):
+        make(rec, clock, **kwargs)
