@@ -1,4 +1,5 @@
-"""Model engines: the engine interface, backends (ONNX Runtime, TensorRT, ...), and the GPU executor.
+"""Model engines: the engine interface, backends (ONNX Runtime, TensorRT, ...), and the GPU
+executor.
 
 This package never imports ``faust``; the stream processor talks to it only through
 :class:`engines.base.Engine` and the registry.

@@ -108,3 +108,7 @@ def _fmt_opsets(opsets: dict[str, int]) -> str:
 def main() -> None:
     """Entry point of the ``engines`` console script."""
     app()
+
+
+if __name__ == "__main__":
+    main()

@@ -55,8 +55,10 @@ def create_app(settings: Settings | None = None) -> faust.App:
         The app, with the ``inference`` agent on the request topic and the web views
         ``/health``, ``/ready`` and ``/engines``.
     """
-    settings = settings or load_settings()
-    app = faust.App(settings.app_id, **faust_options(settings))
+    if settings is None:
+        settings = load_settings()
+    conf = settings
+    app = faust.App(conf.app_id, **faust_options(conf))
     raw = {"key_type": bytes, "value_type": bytes, "key_serializer": "raw",
            "value_serializer": "raw"}
     request_topic = app.topic(
@@ -76,7 +78,7 @@ def create_app(settings: Settings | None = None) -> faust.App:
         # broker, not when the next record is read (Faust's default).
         pipeline = await runtime.start(FaustSink(outputs))
         try:
-            async for event in stream.noack().events():
+            async for event in stream.noack().events():  # type: ignore[attr-defined]
                 message = event.message
                 await pipeline.handle(
                     SourceMessage(
@@ -102,7 +104,7 @@ def create_app(settings: Settings | None = None) -> faust.App:
             assigned = sorted(
                 f"{tp.topic}:{tp.partition}"
                 for tp in app.consumer.assignment()
-                if tp.topic == settings.request_topic
+                if tp.topic == conf.request_topic
             )
             ready = runtime.ready and bool(assigned)
             body = {"ready": ready, "assigned": assigned, **runtime.describe()}
@@ -119,7 +121,7 @@ def create_app(settings: Settings | None = None) -> faust.App:
 def __getattr__(name: str) -> Any:
     # ``faust -A streamapp.app`` looks up ``app`` here; build it from the environment once.
     if name == "app":
-        global app
-        app = create_app()
-        return app
+        built = create_app()
+        globals()["app"] = built
+        return built
     raise AttributeError(name)

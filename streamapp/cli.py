@@ -152,7 +152,8 @@ def demo(
     if codec not in ("json", "msgpack"):
         raise _fail(f"--codec must be json or msgpack, got {codec!r}", 2)
     try:
-        ok = run_demo(devices=devices, codec=codec, backend=backend, workdir=workdir,
+        ok = run_demo(devices=devices, codec=codec,  # type: ignore[arg-type]
+                      backend=backend, workdir=workdir,
                       timeout_s=timeout_s)
     except StreamAppError as exc:
         raise _fail(str(exc)) from None

@@ -137,7 +137,8 @@ def decode_request(value: bytes | None, *, max_request_bytes: int = 1 << 20) -> 
     else:
         try:
             body = json.loads(value)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        # RecursionError: the C scanner's answer to deeply nested arrays/objects ("[[[[...").
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
             raise InvalidRequestError("invalid_json", f"cannot decode JSON: {exc}") from exc
     if not isinstance(body, dict):
         raise InvalidRequestError(

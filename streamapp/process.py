@@ -92,7 +92,9 @@ class WorkerProcess:
             except (OSError, ValueError):
                 pass  # web server not up yet
             time.sleep(0.1)
-        raise StreamAppError(f"the worker was not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
+        raise StreamAppError(
+            f"the worker was not ready after {timeout_s:.0f} s:\n{self.log_tail()}"
+        )
 
     def log_tail(self, lines: int = 40) -> str:
         try:

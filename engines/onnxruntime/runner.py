@@ -98,6 +98,8 @@ class OnnxRuntimeEngine(Engine):
     dimension of every input is the batch dimension. It should be dynamic; when a model was
     exported with a fixed first dimension (e.g. ``1``) it cannot batch, and ``max_batch_size`` is
     that fixed size whatever was asked for (and every batch must have exactly that size).
+    ``info.precision`` is ``"fp16"`` when the first input is float16, ``"fp64"`` when it is
+    float64, else ``"fp32"`` (an integer input normally feeds an fp32 graph).
 
     Thread safety: ``InferenceSession.run`` may be called from several threads at once (ONNX
     Runtime documents sessions as thread-safe for ``Run``), so one engine can be shared by the
@@ -120,7 +122,7 @@ class OnnxRuntimeEngine(Engine):
     Raises:
         EngineLoadError: The file is missing or unreadable, it is not a model ONNX Runtime can
             load, an option is invalid, a provider name is unknown, or an input has an element
-            type numpy cannot hold or no batch dimension.
+            type numpy cannot hold or no batch dimension, or the model has no inputs.
     """
 
     def __init__(
@@ -165,9 +167,9 @@ class OnnxRuntimeEngine(Engine):
             )
         except _LOAD_ERRORS as exc:
             raise EngineLoadError(
-                f"ONNX Runtime {ort.__version__} could not load {str(path)!r}: {exc}; check "
-                "that it is a valid ONNX model (onnx.checker.check_model) whose opset this "
-                "ONNX Runtime supports, or re-export it"
+                f"ONNX Runtime {ort.__version__} could not load {str(path)!r}: {_message(exc)}; "
+                "check that it is a valid ONNX model (onnx.checker.check_model) whose opset "
+                "this ONNX Runtime supports, or re-export it"
             ) from exc
 
         self._session: ort.InferenceSession | None = session
@@ -175,11 +177,12 @@ class OnnxRuntimeEngine(Engine):
         self.outputs = tuple(_spec(arg, path) for arg in session.get_outputs())
         self._output_names = [spec.name for spec in self.outputs]
         self._path = path
+        max_batch = _batch_limit(self.inputs, max_batch_size, path)
 
         active = session.get_providers()
         try:
             opsets = read_opset_imports(path)
-        except ValueError:
+        except (ValueError, OSError):
             # ONNX Runtime also loads its own flatbuffer ".ort" format, which has no opset list.
             opsets = {}
         self.info = EngineInfo(
@@ -188,8 +191,8 @@ class OnnxRuntimeEngine(Engine):
             model_sha256=sha256,
             version=ort.__version__,
             device=_device(session, active),
-            precision=_PRECISIONS.get(self.inputs[0].dtype, "fp32") if self.inputs else "fp32",
-            max_batch_size=_batch_limit(self.inputs, max_batch_size, path),
+            precision=_PRECISIONS.get(self.inputs[0].dtype, "fp32"),
+            max_batch_size=max_batch,
             extra={"providers": list(active), "opsets": opsets},
         )
 
@@ -219,8 +222,13 @@ class OnnxRuntimeEngine(Engine):
         self._session = None
 
 
+def _message(exc: Exception) -> str:
+    """ONNX Runtime's message without its trailing period/newline, to append our own advice."""
+    return str(exc).strip().rstrip(".")
+
+
 def _translate_run_error(exc: Exception, path: Path) -> Exception:
-    message = str(exc)
+    message = _message(exc)
     if any(marker in message.lower() for marker in _OOM_MARKERS):
         return OutOfMemoryError(
             f"ONNX Runtime ran out of memory running {path.name}: {message}; "
@@ -283,6 +291,11 @@ def _spec(arg: Any, path: Path) -> TensorSpec:
 
 def _batch_limit(inputs: Sequence[TensorSpec], requested: int, path: Path) -> int:
     """``requested``, or the fixed batch size when inputs have a fixed first dimension."""
+    if not inputs:
+        raise EngineLoadError(
+            f"{str(path)!r} has no inputs, so there is nothing to batch; serve a model that "
+            "takes its data as a batched input tensor"
+        )
     fixed: set[int] = set()
     for spec in inputs:
         if not spec.shape:

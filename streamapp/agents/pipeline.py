@@ -173,7 +173,11 @@ class InferencePipeline:
         model = self.models[str(key)]
         config = model.config
         started = time.perf_counter()
-        outputs = await model.executor.run([{config.input_name: w.array} for w in batch])  # type: ignore[misc]
+        items = []
+        for work in batch:
+            assert work.array is not None
+            items.append({config.input_name: work.array})
+        outputs = await model.executor.run(items)
         infer_ms = (time.perf_counter() - started) * 1000.0
         probs = outputs[config.output_name]
         k = min(self.settings.top_k, len(config.labels))

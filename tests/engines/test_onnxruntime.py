@@ -163,6 +163,18 @@ def test_scalar_input_cannot_batch(tmp_path: Path) -> None:
         OnnxRuntimeEngine(path)
 
 
+def test_model_without_inputs_cannot_batch(tmp_path: Path) -> None:
+    value = helper.make_tensor("value", TensorProto.FLOAT, [1, 2], [1.0, 2.0])
+    path = _save(
+        tmp_path / "constant.onnx",
+        [helper.make_node("Constant", [], ["y"], value=value)],
+        [],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2])],
+    )
+    with pytest.raises(EngineLoadError, match="no inputs"):
+        OnnxRuntimeEngine(path)
+
+
 @pytest.mark.parametrize(
     "options",
     [{"max_batch_size": 0}, {"intra_op_threads": -1}, {"providers": ["NoSuchExecutionProvider"]}],

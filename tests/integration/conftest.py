@@ -1,0 +1,46 @@
+"""Fixtures for tests that run a real worker against the session's embedded broker."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from streamapp.broker import EmbeddedBroker, create_topics
+from streamapp.process import WorkerProcess
+from streamapp.settings import Settings, load_settings
+
+
+@pytest.fixture
+def worker_settings(kafka_broker: EmbeddedBroker, app_id: str) -> Settings:
+    """Settings of a fresh worker: its own group and its own topics (prefix = app id)."""
+    settings = load_settings(
+        broker=kafka_broker.url, app_id=app_id, topic_prefix=f"{app_id}.", topic_partitions=4,
+        backend="onnxruntime",
+    )
+    create_topics(
+        kafka_broker.bootstrap_servers,
+        {t: 4 for t in (settings.request_topic, settings.result_topic, settings.dlq_topic)},
+    )
+    return settings
+
+
+@pytest.fixture
+def worker(worker_settings: Settings, tmp_path: Path) -> Iterator[WorkerProcess]:
+    """One running, ready worker (stopped with SIGTERM after the test)."""
+    s = worker_settings
+    proc = WorkerProcess(
+        {
+            "broker": s.broker, "app_id": s.app_id, "topic_prefix": s.topic_prefix,
+            "topic_partitions": s.topic_partitions, "backend": s.backend,
+            "data_dir": tmp_path / "data", "max_batch_size": 16, "max_batch_delay_ms": 5,
+        },
+        log_path=tmp_path / "worker.log",
+    )
+    with proc:
+        proc.wait_ready()
+        yield proc
+        assert proc.process is not None and proc.process.poll() is None, (
+            f"the worker died during the test:\n{proc.log_tail()}"
+        )
