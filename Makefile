@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: help install demo test test-fast lint bench train clean
+.PHONY: help install demo test test-fast lint docs bench train clean
 
 help:
 	@echo "make demo   - broker + worker + 1,797 real digits from 16 devices, prints a summary"
@@ -42,3 +42,6 @@ train: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info
+
+docs: $(STAMP)
+	$(BIN)/python scripts/update_readme.py

@@ -390,8 +390,10 @@ def run_broker_forever(port: int | None) -> int:
         print(f"bootstrap: {broker.bootstrap_servers}", flush=True)
         print(
             f"Embedded Tansu broker (in-memory; pid {broker.pid}, log {broker.log_path}) ready in "
-            f"{broker.startup_s:.2f} s. Point a worker at it with the broker URL {broker.url} "
-            f"(Kafka clients: bootstrap servers {broker.bootstrap_servers}). Ctrl-C stops it.",
+            f"{broker.startup_s:.2f} s. Ctrl-C stops it.\n"
+            f"  worker:    streamapp worker --broker {broker.url}\n"
+            f"  publisher: streamapp publish --broker {broker.url}\n"
+            f"  (or export STREAMAPP_BROKER={broker.url})",
             file=sys.stderr,
             flush=True,
         )

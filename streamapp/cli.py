@@ -160,6 +160,24 @@ def demo(
     raise typer.Exit(0 if ok else 1)
 
 
+@cli.command()
+def settings(
+    reference: Annotated[bool, typer.Option("--reference", help="Print the Markdown reference "
+                         "of every setting instead of the current values.")] = False,
+) -> None:
+    """Print the effective settings (environment + defaults) as JSON."""
+    from streamapp.settings import load_settings, settings_reference
+
+    if reference:
+        typer.echo(settings_reference())
+        return
+    try:
+        current = load_settings()
+    except StreamAppError as exc:
+        raise _fail(str(exc)) from None
+    typer.echo(current.model_dump_json(indent=2))
+
+
 def main() -> None:
     """Console-script entry point."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

@@ -42,6 +42,7 @@ REASONS: dict[str, str] = {
     "missing_field": "a required field is missing",
     "too_large": "the value is larger than max_request_bytes",
     "bad_tensor": "the tensor's data does not match its dtype and shape, or is not valid base64",
+    "key_mismatch": "the record key is not the request's device_id (UTF-8)",
     "unknown_model": "the model is not loaded by this worker",
     "bad_dtype": "the tensor's dtype is not one the model accepts",
     "bad_shape": "the tensor's shape is not the one the model expects",

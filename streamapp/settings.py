@@ -8,17 +8,17 @@ is read at import time: call :func:`load_settings` (or ``Settings()``) when you 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from streamapp.exceptions import ConfigError
 
-__all__ = ["Backend", "Codec", "Settings", "load_settings"]
+__all__ = ["Backend", "Codec", "Settings", "load_settings", "settings_reference"]
 
 Codec = Literal["json", "msgpack"]
-Backend = Literal["auto", "onnxruntime", "tensorrt", "torch", "fake"]
+Backend = Literal["auto", "onnxruntime", "tensorrt", "torch"]
 
 #: Defaults from shared/BROKER.md: with these a worker joins its group in about 5 s on Tansu
 #: (Tansu holds each JoinGroup for half the session timeout).
@@ -42,12 +42,23 @@ class Settings(BaseSettings):
     )
     app_id: str = Field("streamapp", description="Faust app id = Kafka consumer group id.")
     topic_prefix: str = Field("", description="Prefix for every topic name, e.g. 'prod.'.")
-    topic_partitions: int = Field(8, ge=1, description="Partitions of the request topic.")
+    topic_partitions: int = Field(
+        8, ge=1,
+        description="Partitions of the request, result and DLQ topics when the worker creates "
+        "them; the most workers that can share the load.",
+    )
     result_codec: Codec = Field("json", description="Encoding of result records.")
-    session_timeout_s: float = Field(_FAST_GROUP["session_timeout_s"], gt=0)
-    heartbeat_interval_s: float = Field(_FAST_GROUP["heartbeat_interval_s"], gt=0)
-    rebalance_timeout_s: float = Field(_FAST_GROUP["rebalance_timeout_s"], gt=0)
-    request_timeout_s: float = Field(30.0, gt=0)
+    session_timeout_s: float = Field(
+        _FAST_GROUP["session_timeout_s"], gt=0,
+        description="Consumer group session timeout (s); a dead worker is noticed after this.",
+    )
+    heartbeat_interval_s: float = Field(
+        _FAST_GROUP["heartbeat_interval_s"], gt=0, description="Group heartbeat interval (s)."
+    )
+    rebalance_timeout_s: float = Field(
+        _FAST_GROUP["rebalance_timeout_s"], gt=0, description="Group rebalance timeout (s)."
+    )
+    request_timeout_s: float = Field(30.0, gt=0, description="Kafka request timeout (s).")
     producer_linger_ms: float = Field(1.0, ge=0, description="Producer batching delay.")
     stream_buffer_maxsize: int = Field(
         4096, ge=1, description="Messages Faust buffers per partition before pausing fetches."
@@ -77,8 +88,10 @@ class Settings(BaseSettings):
     worker_name: str = Field("", description="Name put in results; default host:pid.")
     data_dir: Path = Field(Path("data"), description="Faust data dir (tables, RocksDB).")
     web_bind: str = Field("127.0.0.1", description="Address the worker's web server binds.")
-    web_port: int = Field(6066, ge=0, le=65535, description="Web server port; 0 picks a free one.")
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    web_port: int = Field(6066, ge=0, le=65535, description="Web server port.")
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="Worker log level."
+    )
 
     @field_validator("models", mode="before")
     @classmethod
@@ -146,3 +159,28 @@ def load_settings(**overrides: Any) -> Settings:
         raise ConfigError(
             f"invalid settings ({problems}); environment variables use the prefix STREAMAPP_"
         ) from exc
+
+
+def settings_reference() -> str:
+    """A Markdown table of every setting: environment variable, type, default, description.
+
+    The README's settings reference is this output (a test keeps them in sync).
+    """
+    rows = ["| variable | type | default | description |", "|---|---|---|---|"]
+    for name, info in Settings.model_fields.items():
+        args = get_args(info.annotation)
+        if get_origin(info.annotation) is Literal:
+            annotation = " / ".join(f"`{a}`" for a in args)
+        elif info.annotation is not None and getattr(info.annotation, "__metadata__", None):
+            annotation = "comma-separated list"
+        else:
+            annotation = getattr(info.annotation, "__name__", None) or str(info.annotation)
+            annotation = annotation.replace("typing.", "").replace("pathlib.", "")
+        default = info.default
+        if isinstance(default, tuple):
+            default = ",".join(default)
+        rows.append(
+            f"| `STREAMAPP_{name.upper()}` | {annotation.replace('|', 'or')} | `{default}` | "
+            f"{info.description or ''} |"
+        )
+    return "\n".join(rows)
