@@ -134,7 +134,9 @@ def decode_request(value: bytes | None, *, max_request_bytes: int = 1 << 20) -> 
         try:
             body = msgpack.unpackb(value, raw=False, strict_map_key=True)
         except Exception as exc:  # msgpack raises several unrelated types
-            raise InvalidRequestError("invalid_msgpack", f"cannot decode msgpack: {exc}") from exc
+            raise InvalidRequestError(
+                "invalid_msgpack", f"cannot decode msgpack: {type(exc).__name__}: {exc}"
+            ) from exc
     else:
         try:
             body = json.loads(value)

@@ -1,0 +1,581 @@
+"""InferencePipeline without Kafka: records go in through ``handle``, results and dead letters come
+out through a fake sink whose acknowledgement futures the tests resolve (or fail) themselves.
+
+The model is the real bundled ``digits`` contract, run either by ONNX Runtime (predictions checked
+against an independent offline ``onnxruntime`` session) or by :class:`FakeEngine` (checked against
+``FakeEngine.predict``), always through :class:`ThreadExecutor`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+import onnxruntime as ort
+import pytest
+from sklearn.datasets import load_digits
+
+from engines.base import Engine
+from engines.executor import Item, ThreadExecutor
+from engines.registry import load_engine
+from engines.testing import FakeEngine
+from streamapp.agents.pipeline import InferencePipeline, LoadedModel, SourceMessage
+from streamapp.codecs import REASONS, decode_dead_letter, decode_result, encode_request
+from streamapp.models import ModelConfig, ModelRepository
+from streamapp.records import DeadLetter, InferenceRequest, TensorPayload
+from streamapp.settings import Settings
+
+REQUEST_TOPIC = "inference-request"
+PARTITION = 3
+WORKER = "test-worker"
+
+
+# -- helpers -------------------------------------------------------------------------------------
+
+
+async def wait_for(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """Yield to the event loop until ``condition()`` holds; fail the test after the timeout."""
+    async with asyncio.timeout(timeout_s):
+        while not condition():
+            await asyncio.sleep(0)
+
+
+async def settle() -> None:
+    """Let every runnable task run (no wall-clock wait)."""
+    for _ in range(50):
+        await asyncio.sleep(0)
+
+
+@dataclass
+class Sent:
+    topic: str
+    key: bytes | None
+    value: bytes
+    future: asyncio.Future[None]
+
+
+@dataclass
+class FakeSink:
+    """Records what is produced; each ``send`` returns an asyncio future standing for the
+    broker's acknowledgement, resolved at once with ``auto_resolve`` or by the test."""
+
+    auto_resolve: bool = True
+    sent: list[Sent] = field(default_factory=list)
+
+    async def send(self, topic: str, key: bytes | None, value: bytes) -> asyncio.Future[None]:
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.sent.append(Sent(topic, key, value, future))
+        if self.auto_resolve:
+            future.set_result(None)
+        return future
+
+
+class Source:
+    """Makes source messages of one topic-partition with increasing offsets; records acks."""
+
+    def __init__(self) -> None:
+        self.acked: list[int] = []
+        self._offsets = itertools.count(100)
+
+    def message(self, value: bytes | None, key: bytes | None) -> SourceMessage:
+        offset = next(self._offsets)
+        return SourceMessage(
+            key, value, REQUEST_TOPIC, PARTITION, offset, ack=lambda: self.acked.append(offset)
+        )
+
+
+def request_value(
+    pixels: np.ndarray,
+    device: str,
+    seq: int,
+    *,
+    codec: str = "json",
+    model: str = "digits",
+) -> bytes:
+    request = InferenceRequest(
+        request_id=f"{device}-{seq}",
+        device_id=device,
+        seq=seq,
+        ts=1_700_000_000.0,
+        model=model,
+        tensor=TensorPayload(str(pixels.dtype), tuple(pixels.shape), pixels.tobytes()),
+    )
+    return encode_request(request, codec)  # type: ignore[arg-type]
+
+
+def good(source: Source, pixels: np.ndarray, device: str, seq: int, **kw: Any) -> SourceMessage:
+    return source.message(request_value(pixels, device, seq, **kw), device.encode())
+
+
+def top_label(probs: np.ndarray) -> str:
+    return str(int(np.argmax(probs)))
+
+
+# -- fixtures ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def digits_config() -> ModelConfig:
+    return ModelRepository().get("digits")
+
+
+@pytest.fixture(scope="module")
+def images() -> np.ndarray:
+    """scikit-learn's digit images as ``uint8[1797, 8, 8]``, pixel values 0..16."""
+    return load_digits().images.astype(np.uint8)
+
+
+@pytest.fixture(scope="module")
+def onnx_engine(digits_config: ModelConfig) -> Iterator[Engine]:
+    engine = load_engine("onnxruntime", digits_config.path, intra_op_threads=1)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def offline_probs(digits_config: ModelConfig, images: np.ndarray) -> Callable[[int], np.ndarray]:
+    """Probabilities for image ``i`` from a plain onnxruntime session (no streamapp code)."""
+    session = ort.InferenceSession(str(digits_config.path), providers=["CPUExecutionProvider"])
+
+    def probs(i: int) -> np.ndarray:
+        x = (images[i].astype(np.float32) / 16.0).reshape(1, 1, 8, 8)
+        (out,) = session.run(["probs"], {"input": x})
+        return np.asarray(out)[0]
+
+    return probs
+
+
+StartPipeline = Callable[..., Awaitable[InferencePipeline]]
+
+
+@pytest.fixture
+async def start_pipeline(digits_config: ModelConfig) -> AsyncIterator[StartPipeline]:
+    """``await start_pipeline(executor, sink, **settings)``: a started pipeline serving
+    ``digits`` on ``executor``; stopped and the executor closed after the test."""
+    started: list[tuple[InferencePipeline, ThreadExecutor]] = []
+
+    async def start(executor: ThreadExecutor, sink: FakeSink, **settings: Any) -> InferencePipeline:
+        options: dict[str, Any] = {
+            "max_batch_size": 4,
+            "max_batch_delay_ms": 5.0,
+            "max_inflight_batches": executor.max_inflight,
+            "topic_prefix": "",
+            "top_k": 3,
+            **settings,
+        }
+        pipeline = InferencePipeline(
+            Settings(**options),
+            {"digits": LoadedModel(digits_config, executor)},
+            sink,
+            worker=WORKER,
+        )
+        await pipeline.start()
+        started.append((pipeline, executor))
+        return pipeline
+
+    yield start
+    for pipeline, executor in started:
+        await pipeline.stop(drain=False)
+        await executor.close()
+
+
+def results_of(sink: FakeSink, pipeline: InferencePipeline) -> list[dict[str, Any]]:
+    return [decode_result(s.value) for s in sink.sent if s.topic == pipeline.settings.result_topic]
+
+
+def dead_letters_of(sink: FakeSink, pipeline: InferencePipeline) -> list[DeadLetter]:
+    return [
+        decode_dead_letter(s.value) for s in sink.sent if s.topic == pipeline.settings.dlq_topic
+    ]
+
+
+# -- good requests -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("request_codec", ["json", "msgpack"])
+@pytest.mark.parametrize("result_codec", ["json", "msgpack"])
+async def test_good_requests_get_the_offline_prediction(
+    start_pipeline: StartPipeline,
+    onnx_engine: Engine,
+    images: np.ndarray,
+    offline_probs: Callable[[int], np.ndarray],
+    request_codec: str,
+    result_codec: str,
+) -> None:
+    sink, source = FakeSink(), Source()
+    pipeline = await start_pipeline(ThreadExecutor(onnx_engine), sink, result_codec=result_codec)
+    indices = [*range(10), 1500, 1796]
+    devices = ["dev-a", "dev-b", "dev-c"]
+    read: list[tuple[int, str, int, int]] = []  # (image index, device, seq, offset)
+    for n, i in enumerate(indices):
+        device, seq = devices[n % 3], n // 3
+        message = good(source, images[i], device, seq, codec=request_codec)
+        read.append((i, device, seq, message.offset))
+        await pipeline.handle(message)
+
+    await wait_for(lambda: len(source.acked) == len(indices))
+
+    assert [s.topic for s in sink.sent] == ["inference-result"] * len(indices)
+    parse = msgpack.unpackb if result_codec == "msgpack" else json.loads
+    assert [parse(s.value)["request_id"] for s in sink.sent] == [f"{d}-{q}" for _, d, q, _ in read]
+    results = results_of(sink, pipeline)
+    batch_sizes: dict[str, int] = {}
+    for sent, result, (i, device, seq, _) in zip(sink.sent, results, read, strict=True):
+        expected = offline_probs(i)
+        assert sent.key == device.encode()
+        assert result["request_id"] == f"{device}-{seq}"
+        assert result["device_id"] == device and result["seq"] == seq
+        assert result["model"] == "digits"
+        assert result["engine"] == onnx_engine.info.tag
+        assert result["attempt"] == 0
+        assert result["worker"] == WORKER
+        top = result["outputs"]["top_k"]
+        assert len(top) == 3
+        assert top[0]["label"] == top_label(expected)
+        assert [t["score"] for t in top] == sorted((t["score"] for t in top), reverse=True)
+        for t in top:
+            assert t["score"] == pytest.approx(float(expected[int(t["label"])]), abs=1e-5)
+        assert 1 <= result["batch_size"] <= 4
+        batch_sizes.setdefault(result["batch_id"], result["batch_size"])
+        assert batch_sizes[result["batch_id"]] == result["batch_size"]
+    per_batch = {b: sum(r["batch_id"] == b for r in results) for b in batch_sizes}
+    assert per_batch == batch_sizes
+    assert source.acked == [offset for *_, offset in read]
+    assert pipeline.stats.results == len(indices) and pipeline.stats.acked == len(indices)
+
+
+async def test_predictions_match_dataset_labels(
+    start_pipeline: StartPipeline, onnx_engine: Engine, images: np.ndarray
+) -> None:
+    # The bundled model is ~99% accurate on the whole set; these 10 are among the right ones.
+    targets = load_digits().target
+    sink, source = FakeSink(), Source()
+    pipeline = await start_pipeline(ThreadExecutor(onnx_engine), sink)
+    for i in range(10):
+        await pipeline.handle(good(source, images[i], "dev-a", i))
+
+    await wait_for(lambda: len(source.acked) == 10)
+
+    labels = [r["outputs"]["top_k"][0]["label"] for r in results_of(sink, pipeline)]
+    assert labels == [str(t) for t in targets[:10]]
+
+
+# -- acknowledgement -----------------------------------------------------------------------------
+
+
+async def test_ack_only_after_the_sink_future_resolves(
+    start_pipeline: StartPipeline, onnx_engine: Engine, images: np.ndarray
+) -> None:
+    sink, source = FakeSink(auto_resolve=False), Source()
+    pipeline = await start_pipeline(ThreadExecutor(onnx_engine), sink)
+    message = good(source, images[0], "dev-a", 0)
+
+    await pipeline.handle(message)
+    await wait_for(lambda: len(sink.sent) == 1)
+    await settle()
+
+    assert source.acked == []  # produced, but the broker has not acknowledged yet
+    assert pipeline.stats.acked == 0
+
+    sink.sent[0].future.set_result(None)
+    await wait_for(lambda: source.acked == [message.offset])
+    assert pipeline.stats.acked == 1
+
+
+async def test_no_ack_when_the_sink_future_fails(
+    start_pipeline: StartPipeline, onnx_engine: Engine, images: np.ndarray
+) -> None:
+    sink, source = FakeSink(auto_resolve=False), Source()
+    pipeline = await start_pipeline(ThreadExecutor(onnx_engine), sink)
+    failing = good(source, images[0], "dev-a", 0)
+    bad_input = source.message(b"not json", b"dev-a")
+    later = good(source, images[1], "dev-a", 1)
+    for message in (failing, bad_input, later):
+        await pipeline.handle(message)
+    await wait_for(lambda: len(sink.sent) == 3)
+
+    sink.sent[0].future.set_exception(ConnectionError("broker went away"))
+    sink.sent[1].future.cancel()
+    await settle()
+    assert source.acked == []
+
+    sink.sent[2].future.set_result(None)
+    await wait_for(lambda: source.acked == [later.offset])
+    await settle()
+
+    assert source.acked == [later.offset]
+    assert pipeline.stats.produce_failures == 2
+    assert pipeline.stats.acked == 1
+
+
+# -- bad input -----------------------------------------------------------------------------------
+
+
+def _json_without(field_name: str, pixels: np.ndarray) -> bytes:
+    body = json.loads(request_value(pixels, "dev-a", 5))
+    del body[field_name]
+    return json.dumps(body).encode()
+
+
+def _image_only() -> bytes:
+    request = InferenceRequest("dev-a-5", "dev-a", 5, 1_700_000_000.0, "digits", image=b"\x89PNG")
+    return encode_request(request)
+
+
+@dataclass(frozen=True)
+class BadCase:
+    value: Callable[[np.ndarray], bytes | None]
+    key: bytes | None
+    reason: str
+    stage: str
+    decoded: bool  # request_id / device_id known
+
+
+BAD_CASES = {
+    "not-json": BadCase(lambda px: b"\x00\xffnot json", b"dev-a", "invalid_json", "decode", False),
+    "empty": BadCase(lambda px: None, b"dev-a", "invalid_json", "decode", False),
+    "truncated-msgpack": BadCase(
+        lambda px: request_value(px, "dev-a", 5, codec="msgpack")[:-7],
+        b"dev-a",
+        "invalid_msgpack",
+        "decode",
+        False,
+    ),
+    "missing-field": BadCase(
+        lambda px: _json_without("seq", px), b"dev-a", "missing_field", "decode", False
+    ),
+    "too-large": BadCase(
+        lambda px: b"{" + b" " * (1 << 20) + b"}", b"dev-a", "too_large", "decode", False
+    ),
+    "unknown-model": BadCase(
+        lambda px: request_value(px, "dev-a", 5, model="mnist"),
+        b"dev-a",
+        "unknown_model",
+        "validate",
+        True,
+    ),
+    "wrong-dtype": BadCase(
+        lambda px: request_value(px.astype(np.int32), "dev-a", 5),
+        b"dev-a",
+        "bad_dtype",
+        "validate",
+        True,
+    ),
+    "wrong-shape": BadCase(
+        lambda px: request_value(px.ravel(), "dev-a", 5), b"dev-a", "bad_shape", "validate", True
+    ),
+    "image-only": BadCase(
+        lambda px: _image_only(), b"dev-a", "unsupported_input", "validate", True
+    ),
+    "key-not-device": BadCase(
+        lambda px: request_value(px, "dev-a", 5), b"dev-b", "key_mismatch", "validate", True
+    ),
+    "no-key": BadCase(
+        lambda px: request_value(px, "dev-a", 5), None, "key_mismatch", "validate", True
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CASES.values()), ids=list(BAD_CASES))
+async def test_bad_input_becomes_one_dead_letter(
+    start_pipeline: StartPipeline,
+    onnx_engine: Engine,
+    images: np.ndarray,
+    offline_probs: Callable[[int], np.ndarray],
+    case: BadCase,
+) -> None:
+    sink, source = FakeSink(), Source()
+    pipeline = await start_pipeline(ThreadExecutor(onnx_engine), sink)
+    before = good(source, images[3], "dev-a", 4)
+    value = case.value(images[5])
+    bad = source.message(value, case.key)
+    after = good(source, images[7], "dev-a", 6)
+    for message in (before, bad, after):
+        await pipeline.handle(message)
+
+    await wait_for(lambda: len(source.acked) == 3)
+
+    assert [s.topic for s in sink.sent] == ["inference-result", "inference-dlq", "inference-result"]
+    assert [r["seq"] for r in results_of(sink, pipeline)] == [4, 6]
+    assert [r["outputs"]["top_k"][0]["label"] for r in results_of(sink, pipeline)] == [
+        top_label(offline_probs(3)),
+        top_label(offline_probs(7)),
+    ]
+    assert sink.sent[1].key == case.key
+    (letter,) = dead_letters_of(sink, pipeline)
+    assert letter.value == (value or b"")
+    assert letter.key == case.key
+    assert letter.error["reason"] == case.reason
+    assert case.reason in REASONS
+    assert letter.error["stage"] == case.stage
+    assert letter.error["type"] == "InvalidRequestError"
+    assert letter.error["message"]
+    assert letter.source == {"topic": REQUEST_TOPIC, "partition": PARTITION, "offset": bad.offset}
+    assert letter.attempts == 1 and letter.worker == WORKER
+    if case.decoded:
+        assert (letter.request_id, letter.device_id) == ("dev-a-5", "dev-a")
+    else:
+        assert (letter.request_id, letter.device_id) == (None, None)
+    assert pipeline.stats.dead_letters == {case.reason: 1}
+    assert source.acked == [before.offset, bad.offset, after.offset]
+
+
+async def test_mixed_stream_is_answered_in_read_order(
+    start_pipeline: StartPipeline,
+    onnx_engine: Engine,
+    images: np.ndarray,
+    offline_probs: Callable[[int], np.ndarray],
+) -> None:
+    sink, source = FakeSink(), Source()
+    pipeline = await start_pipeline(ThreadExecutor(onnx_engine), sink, max_batch_size=3)
+    expected: list[tuple[str, str | int]] = []  # ("result", image index) or ("dlq", reason)
+    seqs = itertools.count()
+    for n, case in enumerate(BAD_CASES.values()):
+        i = 20 + n
+        device = "dev-a" if n % 2 else "dev-b"
+        await pipeline.handle(good(source, images[i], device, next(seqs)))
+        expected.append(("result", i))
+        await pipeline.handle(source.message(case.value(images[i]), case.key))
+        expected.append(("dlq", case.reason))
+
+    await wait_for(lambda: len(source.acked) == len(expected))
+
+    got: list[tuple[str, str | int]] = []
+    results = iter(results_of(sink, pipeline))
+    letters = iter(dead_letters_of(sink, pipeline))
+    for sent, (kind, what) in zip(sink.sent, expected, strict=True):
+        if sent.topic == "inference-result":
+            result = next(results)
+            assert kind == "result"
+            assert result["outputs"]["top_k"][0]["label"] == top_label(offline_probs(int(what)))
+            got.append(("result", what))
+        else:
+            got.append(("dlq", next(letters).error["reason"]))
+    assert got == expected
+    assert source.acked == sorted(source.acked)
+
+
+# -- ordering across batches ---------------------------------------------------------------------
+
+
+class RecordingExecutor(ThreadExecutor):
+    """A ThreadExecutor that records the requests of every batch in the order batches finish."""
+
+    def __init__(self, engine: Engine, **kwargs: Any) -> None:
+        super().__init__(engine, **kwargs)
+        self.finished: list[list[float]] = []
+
+    async def run(self, items: Sequence[Item]) -> dict[str, np.ndarray]:
+        outputs = await super().run(items)
+        self.finished.append([float(item["input"].sum()) for item in items])
+        return outputs
+
+
+async def test_device_order_kept_when_batches_finish_out_of_order(
+    start_pipeline: StartPipeline, digits_config: ModelConfig, images: np.ndarray
+) -> None:
+    release = threading.Event()
+    marker = np.full((8, 8), 16, dtype=np.uint8)  # pre-processed to all ones: sum 64
+
+    def hold_first_batch(item: np.ndarray) -> None:
+        if item.sum() == 64.0:
+            release.wait(timeout=10)
+        return None
+
+    engine = FakeEngine(fail_on=hold_first_batch)
+    executor = RecordingExecutor(engine, max_inflight=2)
+    sink, source = FakeSink(), Source()
+    pipeline = await start_pipeline(
+        executor, sink, max_batch_size=2, max_batch_delay_ms=60_000.0, max_inflight_batches=2
+    )
+    pixels = {
+        ("dev-a", 0): marker,
+        ("dev-b", 0): images[1],
+        ("dev-a", 1): images[2],
+        ("dev-b", 1): images[3],
+    }
+    try:
+        for device, seq in pixels:  # batch 1: a0, b0 (held); batch 2: a1, b1
+            await pipeline.handle(good(source, pixels[device, seq], device, seq))
+
+        await wait_for(lambda: len(executor.finished) == 1)
+        second = [float(np.sum(images[i] / 16.0)) for i in (2, 3)]
+        assert executor.finished == [pytest.approx(second)]  # batch 2 is done, batch 1 is not
+        await settle()
+        assert sink.sent == []  # nothing overtakes the held batch
+    finally:
+        release.set()
+
+    await wait_for(lambda: len(source.acked) == 4)
+
+    assert engine.batch_sizes == [2, 2]
+    assert len(executor.finished) == 2 and executor.finished[1][0] == 64.0
+    results = results_of(sink, pipeline)
+    assert [(r["device_id"], r["seq"]) for r in results] == list(pixels)
+    for r in results:
+        x = (pixels[r["device_id"], r["seq"]].astype(np.float32) / 16).reshape(1, 1, 8, 8)
+        assert r["outputs"]["top_k"][0]["label"] == top_label(engine.predict({"input": x})["probs"])
+        assert r["engine"] == engine.info.tag and r["batch_size"] == 2
+    assert len({r["batch_id"] for r in results}) == 2
+    assert [s.key for s in sink.sent] == [b"dev-a", b"dev-b", b"dev-a", b"dev-b"]
+
+
+# -- engine failure ------------------------------------------------------------------------------
+
+
+async def test_engine_failure_dead_letters_that_batch_only(
+    start_pipeline: StartPipeline, images: np.ndarray
+) -> None:
+    engine = FakeEngine(fail_batches=1)
+    sink, source = FakeSink(), Source()
+    pipeline = await start_pipeline(
+        ThreadExecutor(engine, max_inflight=1),
+        sink,
+        max_batch_size=2,
+        max_batch_delay_ms=60_000.0,
+    )
+    read = [("dev-a", 0, 10), ("dev-b", 0, 11), ("dev-a", 1, 12), ("dev-b", 1, 13)]
+    messages = [good(source, images[i], d, s) for d, s, i in read]
+    for message in messages:
+        await pipeline.handle(message)
+
+    await wait_for(lambda: len(source.acked) == 4)
+
+    assert [s.topic for s in sink.sent] == ["inference-dlq"] * 2 + ["inference-result"] * 2
+    letters = dead_letters_of(sink, pipeline)
+    for letter, message, (device, seq, _) in zip(letters, messages[:2], read[:2], strict=True):
+        assert letter.error["reason"] == "inference_failed" and "inference_failed" in REASONS
+        assert letter.error["stage"] == "inference"
+        assert letter.error["type"] == "EngineRuntimeError"
+        assert letter.error["detail"] == "engine_runtime_error"
+        assert "injected failure" in letter.error["message"]
+        assert letter.value == message.value and letter.key == device.encode()
+        assert letter.request_id == f"{device}-{seq}" and letter.device_id == device
+        assert letter.source == {
+            "topic": REQUEST_TOPIC,
+            "partition": PARTITION,
+            "offset": message.offset,
+        }
+    results = results_of(sink, pipeline)
+    assert [(r["device_id"], r["seq"]) for r in results] == [("dev-a", 1), ("dev-b", 1)]
+    assert pipeline.stats.dead_letters == {"inference_failed": 2}
+
+    # Later batches are fine too.
+    for seq, i in ((2, 14), (3, 15)):
+        await pipeline.handle(good(source, images[i], "dev-a", seq))
+    await wait_for(lambda: len(source.acked) == 6)
+
+    results = results_of(sink, pipeline)
+    assert [(r["device_id"], r["seq"]) for r in results][2:] == [("dev-a", 2), ("dev-a", 3)]
+    for r, i in zip(results[2:], (14, 15), strict=True):
+        x = (images[i].astype(np.float32) / 16).reshape(1, 1, 8, 8)
+        assert r["outputs"]["top_k"][0]["label"] == top_label(engine.predict({"input": x})["probs"])
+    assert engine.batch_sizes == [2, 2, 2]
+    assert pipeline.stats.results == 4
