@@ -84,6 +84,24 @@ class Settings(BaseSettings):
     )
     top_k: int = Field(3, ge=1, description="Labels with scores in each classification result.")
 
+    # -- Delivery: commits, retries ----------------------------------------------------------------
+    commit_interval_ms: float = Field(
+        50.0, gt=0,
+        description="How often finished source offsets are committed (ms); a crash re-delivers "
+        "at most what finished within one interval plus what was in flight.",
+    )
+    max_retries: int = Field(
+        3, ge=0, description="Retries of a transient failure before the request goes to the DLQ."
+    )
+    retry_backoff_base_ms: float = Field(
+        200.0, ge=0, description="Backoff before retry n is base * 2**(n-1) (ms), capped."
+    )
+    retry_backoff_max_ms: float = Field(10_000.0, ge=0, description="Backoff cap (ms).")
+    retry_jitter: float = Field(
+        0.2, ge=0, le=1,
+        description="Backoff is multiplied by a uniform factor in [1 - jitter, 1 + jitter].",
+    )
+
     # -- Worker ------------------------------------------------------------------------------------
     worker_name: str = Field("", description="Name put in results; default host:pid.")
     data_dir: Path = Field(Path("data"), description="Faust data dir (tables, RocksDB).")
@@ -127,6 +145,10 @@ class Settings(BaseSettings):
     @property
     def dlq_topic(self) -> str:
         return self.topic("dlq")
+
+    @property
+    def retry_topic(self) -> str:
+        return self.topic("retry")
 
     @property
     def bootstrap_servers(self) -> str:
