@@ -17,7 +17,7 @@ import numpy as np
 
 from engines.exceptions import EngineClosedError, InputSpecError
 
-__all__ = ["DYNAMIC", "Engine", "EngineInfo", "TensorSpec"]
+__all__ = ["DYNAMIC", "Engine", "EngineInfo", "StreamContext", "StreamEngine", "TensorSpec"]
 
 #: Marker for a dynamic dimension in :attr:`TensorSpec.shape`.
 DYNAMIC = -1
@@ -219,3 +219,72 @@ class Engine(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class StreamContext(abc.ABC):
+    """One execution context of a :class:`StreamEngine`, bound to one CUDA stream and to fixed
+    device buffers (see :meth:`StreamEngine.bind_stream`).
+
+    Not thread-safe: one context per stream, used by one thread at a time. Work enqueued on the
+    same stream runs in order, so a new batch may be enqueued before the previous one finished.
+    """
+
+    @abc.abstractmethod
+    def enqueue(self, batch_size: int) -> None:
+        """Enqueue one batch on the bound stream and return without waiting.
+
+        Reads rows ``[0, batch_size)`` of every bound input buffer and writes rows
+        ``[0, batch_size)`` of every bound output buffer, in stream order.
+
+        Args:
+            batch_size: 1..``engine.max_batch_size`` (the caller has validated it).
+
+        Raises:
+            EngineRuntimeError: The backend refused to enqueue (retriable).
+        """
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release the context (the bound buffers belong to the caller). Idempotent."""
+
+    def __enter__(self) -> StreamContext:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class StreamEngine(Engine):
+    """An engine that can also enqueue batches on a caller's CUDA stream with device pointers.
+
+    The optional extension of :class:`Engine` that the GPU executor
+    (:class:`engines.executor.cuda.CudaExecutor`) needs; TensorRT and the PyTorch CUDA backend
+    implement it. ``infer()`` still works synchronously from host arrays.
+    """
+
+    @abc.abstractmethod
+    def bind_stream(self, stream: int, addresses: Mapping[str, int]) -> StreamContext:
+        """Create an execution context that runs on ``stream`` with fixed IO buffers.
+
+        Args:
+            stream: A ``cudaStream_t`` handle as an int (``engines.cuda.Stream.handle``).
+            addresses: Device pointer for every input and output name. Each buffer holds
+                ``max_batch_size`` C-contiguous rows of that tensor's item shape and dtype
+                (``dtype[max_batch_size, *item_shape]``); the caller owns and frees them after
+                closing the context.
+
+        Returns:
+            A context; close it before freeing the buffers or closing the engine.
+
+        Raises:
+            InputSpecError: ``addresses`` does not name exactly the engine's IO tensors.
+            EngineRuntimeError: The backend could not create the context (e.g. out of memory).
+        """
+
+    def check_addresses(self, addresses: Mapping[str, int]) -> None:
+        """Raise :class:`InputSpecError` unless ``addresses`` names exactly the IO tensors."""
+        names = {s.name for s in (*self.inputs, *self.outputs)}
+        if set(addresses) != names:
+            raise InputSpecError(
+                f"bind_stream got buffers for {sorted(addresses)}, the engine's IO tensors are "
+                f"{sorted(names)}"
+            )

@@ -14,6 +14,7 @@ __all__ = [
     "EngineError",
     "EngineLoadError",
     "EngineRuntimeError",
+    "EngineTimeoutError",
     "InputSpecError",
     "InternalError",
     "OutOfMemoryError",
@@ -78,6 +79,12 @@ class OutOfMemoryError(EngineRuntimeError):
     """The device or host ran out of memory while running a batch."""
 
     reason = "out_of_memory"
+
+
+class EngineTimeoutError(EngineRuntimeError):
+    """A batch did not finish in time (a hung kernel, an overloaded device). Retriable."""
+
+    reason = "timeout"
 
 
 class EngineClosedError(EngineError):

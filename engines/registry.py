@@ -41,12 +41,14 @@ class Backend:
         loader: Builds an :class:`Engine` from a model path and backend options.
         is_available: Cheap check (no model load) that the backend can run on this machine.
         description: One line for ``engines backends``.
+        test_only: A backend for tests (e.g. the fault injector): ``auto`` never picks it.
     """
 
     name: str
     loader: Loader
     is_available: Callable[[], bool]
     description: str = ""
+    test_only: bool = False
 
 
 _REGISTRY: dict[str, Backend] = {}
@@ -55,6 +57,11 @@ _REGISTRY: dict[str, Backend] = {}
 #: import fail; the backend then reports ``is_available() == False``.
 BACKEND_MODULES: tuple[str, ...] = (
     "engines.onnxruntime",
+    "engines.tensorrt",
+    "engines.torch",
+    # Test-only: the fault-injecting wrapper ("faulty"), so worker processes can be told to use
+    # it; never chosen by "auto".
+    "engines.testing",
 )
 
 #: Order tried by ``auto``.
@@ -69,9 +76,11 @@ def register(
     *,
     is_available: Callable[[], bool] = lambda: True,
     description: str = "",
+    test_only: bool = False,
 ) -> Backend:
-    """Register a backend under ``name`` (replacing any earlier one of that name)."""
-    backend = Backend(name, loader, is_available, description)
+    """Register a backend under ``name`` (replacing any earlier one of that name); a
+    ``test_only`` backend is never chosen by ``auto``."""
+    backend = Backend(name, loader, is_available, description, test_only)
     _REGISTRY[name] = backend
     return backend
 
@@ -124,7 +133,7 @@ def resolve_backend(name: str) -> str:
     """
     if name != "auto":
         return get_backend(name).name
-    available = available_backends()
+    available = [n for n in available_backends() if not _REGISTRY[n].test_only]
     for candidate in AUTO_ORDER:
         if candidate in available:
             return candidate

@@ -11,20 +11,44 @@ import logging
 from typing import Any
 
 import faust
-from faust.web import Request, Response, View
 
 from streamapp.agents.pipeline import SourceMessage
+from streamapp.faust_compat import commit_offsets, committed_or_earliest, event_context, seek
+from streamapp.retry import RetryRecord
 from streamapp.runtime import FaustSink, WorkerRuntime
 from streamapp.settings import Settings, load_settings
+from streamapp.state import install_state
 
-__all__ = ["create_app"]
+__all__ = ["TableRetryStore", "create_app"]
 
 log = logging.getLogger(__name__)
 
 
 def faust_options(settings: Settings) -> dict[str, Any]:
-    """Faust app settings derived from ours (group timings per shared/BROKER.md)."""
+    """Faust app settings derived from ours (group timings per shared/BROKER.md).
+
+    Security: ``broker_credentials`` is a ``faust.SSLCredentials`` (SSL), a
+    ``faust.SASLCredentials`` (SASL_PLAINTEXT; with the TLS context for SASL_SSL), or absent
+    (PLAINTEXT); Faust hands it to every consumer and producer it creates.
+
+    Raises:
+        ConfigError: A TLS file cannot be loaded (see :func:`streamapp.client.ssl_context`).
+    """
+    from streamapp.client import ssl_context  # the one place TLS contexts are built
+
+    security: dict[str, Any] = {}
+    context = ssl_context(settings)
+    if settings.security_protocol.startswith("SASL_"):
+        security["broker_credentials"] = faust.SASLCredentials(
+            username=settings.sasl_username,
+            password=settings.sasl_password.get_secret_value(),
+            mechanism=settings.sasl_mechanism,
+            ssl_context=context,  # SASL_SSL when given, SASL_PLAINTEXT when None
+        )
+    elif context is not None:
+        security["broker_credentials"] = faust.SSLCredentials(context)
     return {
+        **security,
         "broker": settings.faust_broker,
         "datadir": str(settings.data_dir),
         "web_bind": settings.web_bind,
@@ -39,10 +63,33 @@ def faust_options(settings: Settings) -> dict[str, Any]:
         "topic_partitions": settings.topic_partitions,
         "topic_replication_factor": 1,
         "consumer_auto_offset_reset": "earliest",
+        "consumer_group_instance_id": settings.group_instance_id or None,
         "key_serializer": "raw",
         "value_serializer": "raw",
         "web_enabled": True,
     }
+
+
+class TableRetryStore:
+    """:class:`~streamapp.retry.RetryStore` on the changelogged ``retry_counts`` table."""
+
+    def __init__(self, table: Any) -> None:
+        self.table = table
+
+    def record_attempt(self, record: RetryRecord, event: Any) -> None:
+        with event_context(event):
+            self.table[record.request_id.encode()] = {
+                "attempts": record.attempt,
+                "last_error": record.errors[-1] if record.errors else None,
+                "errors": record.errors,
+                "device_id": record.device_id,
+            }
+
+    def finish(self, request_id: str, event: Any) -> None:
+        key = request_id.encode()
+        with event_context(event):
+            if key in self.table:
+                del self.table[key]
 
 
 def create_app(settings: Settings | None = None) -> faust.App:
@@ -61,59 +108,78 @@ def create_app(settings: Settings | None = None) -> faust.App:
     app = faust.App(conf.app_id, **faust_options(conf))
     raw = {"key_type": bytes, "value_type": bytes, "key_serializer": "raw",
            "value_serializer": "raw"}
+    partitions = conf.topic_partitions
+    # acks=False: Faust's own ack/commit bookkeeping loses records around rebalances; offsets
+    # of our source topics are committed by streamapp.offsets instead.
     request_topic = app.topic(
-        settings.request_topic, partitions=settings.topic_partitions, **raw  # type: ignore[arg-type]
+        conf.request_topic, partitions=partitions, acks=False, **raw  # type: ignore[arg-type]
+    )
+    retry_topic = app.topic(
+        conf.retry_topic, partitions=partitions, acks=False, **raw  # type: ignore[arg-type]
     )
     outputs = {
-        name: app.topic(name, partitions=settings.topic_partitions, **raw)  # type: ignore[arg-type]
-        for name in (settings.result_topic, settings.dlq_topic)
+        name: app.topic(name, partitions=partitions, **raw)  # type: ignore[arg-type]
+        for name in (conf.result_topic, conf.dlq_topic, conf.retry_topic)
     }
-    runtime = WorkerRuntime(settings)
+    # Attempt counters, keyed by request_id like the retry topic (so they are co-partitioned).
+    # Memory store + changelog: restored from the changelog on start; no persisted offsets that
+    # Tansu's wrong ListOffsets answer could contradict (shared/BROKER.md item 2).
+    retry_counts = app.Table(
+        "retry_counts",
+        schema=faust.Schema(key_type=bytes, key_serializer="raw", value_serializer="json"),
+        partitions=partitions, store="memory://",
+    )
+    retry_store = TableRetryStore(retry_counts)
+    runtime = WorkerRuntime(
+        conf,
+        start_offset=lambda topic, partition: committed_or_earliest(app, topic, partition),
+        commit=lambda offsets: commit_offsets(app, offsets),
+        seek=lambda topic, partition, offset: seek(app, topic, partition, offset),
+        flush=lambda: app.producer.flush(),
+    )
+    sink = FaustSink(outputs)
     app.streamapp_runtime = runtime  # type: ignore[attr-defined]
-    app.streamapp_settings = settings  # type: ignore[attr-defined]
+    app.streamapp_settings = conf  # type: ignore[attr-defined]
+    app.streamapp_retry_counts = retry_counts  # type: ignore[attr-defined]
+    # Device tables, metrics and the web views (/health /ready /engines /metrics /devices ...).
+    observers = install_state(app, conf, runtime)
+
+    @app.on_partitions_revoked.connect  # type: ignore[arg-type]
+    async def on_revoked(app_: Any, revoked: set[Any], **kwargs: Any) -> None:
+        await runtime.on_revoked({(tp.topic, tp.partition) for tp in revoked})
+
+    def source_of(event: Any, ack: Any) -> SourceMessage:
+        message = event.message
+        return SourceMessage(
+            key=message.key, value=message.value, topic=message.topic,
+            partition=message.partition, offset=message.offset, ack=ack, event=event,
+        )
 
     @app.agent(request_topic, name="inference")
     async def inference(stream: faust.StreamT[bytes]) -> None:
-        # noack: a record is acked by the pipeline once its outcome was acknowledged by the
-        # broker, not when the next record is read (Faust's default).
-        pipeline = await runtime.start(FaustSink(outputs))
+        # noack + acks=False: a record counts as finished only when the broker acknowledged its
+        # result, retry record or dead letter (see streamapp.offsets).
+        pipeline = await runtime.acquire(sink, retry_store, observers)
         try:
             async for event in stream.noack().events():  # type: ignore[attr-defined]
-                message = event.message
-                await pipeline.handle(
-                    SourceMessage(
-                        key=message.key,
-                        value=message.value,
-                        topic=message.topic,
-                        partition=message.partition,
-                        offset=message.offset,
-                        ack=event.ack,
-                    )
-                )
+                m = event.message
+                ack = await runtime.accept(m.topic, m.partition, m.offset)
+                if ack is not None:
+                    await pipeline.handle(source_of(event, ack))
         finally:
-            await runtime.stop()
+            await runtime.release()
 
-    @app.page("/health")
-    class Health(View):
-        async def get(self, request: Request) -> Response:
-            return self.json({"status": "ok", "worker": runtime.worker})
-
-    @app.page("/ready")
-    class Ready(View):
-        async def get(self, request: Request) -> Response:
-            assigned = sorted(
-                f"{tp.topic}:{tp.partition}"
-                for tp in app.consumer.assignment()
-                if tp.topic == conf.request_topic
-            )
-            ready = runtime.ready and bool(assigned)
-            body = {"ready": ready, "assigned": assigned, **runtime.describe()}
-            return self.json(body, status=200 if ready else 503)
-
-    @app.page("/engines")
-    class Engines(View):
-        async def get(self, request: Request) -> Response:
-            return self.json(runtime.describe()["engines"])
+    @app.agent(retry_topic, name="retry")
+    async def retry(stream: faust.StreamT[bytes]) -> None:
+        await runtime.acquire(sink, retry_store, observers)
+        try:
+            async for event in stream.noack().events():  # type: ignore[attr-defined]
+                m = event.message
+                ack = await runtime.accept(m.topic, m.partition, m.offset)
+                if ack is not None:
+                    await runtime.schedule_retry(m.value, source_of(event, ack), retry_store)
+        finally:
+            await runtime.release()
 
     return app
 

@@ -325,6 +325,7 @@ def create_topics(
     *,
     replication_factor: int = 1,
     timeout_s: float = 15.0,
+    security: Mapping[str, Any] | None = None,
 ) -> list[str]:
     """Create the topics that do not exist yet.
 
@@ -337,6 +338,8 @@ def create_topics(
         topics: Topic name -> number of partitions (>= 1).
         replication_factor: Replicas per partition; 1 on a single-node broker.
         timeout_s: Seconds the whole operation may take.
+        security: aiokafka security options
+            (:func:`streamapp.client.kafka_security_options`); None: plaintext.
 
     Returns:
         Names of the topics this call created, in the order given.
@@ -354,7 +357,9 @@ def create_topics(
     if not topics:
         return []
     return _run_sync(
-        lambda: _create_topics(bootstrap_servers, dict(topics), replication_factor, timeout_s)
+        lambda: _create_topics(
+            bootstrap_servers, dict(topics), replication_factor, timeout_s, security or {}
+        )
     )
 
 
@@ -593,6 +598,7 @@ async def _create_topics(
     topics: dict[str, int],
     replication_factor: int,
     timeout_s: float,
+    security: Mapping[str, Any],
 ) -> list[str]:
     from aiokafka.admin import AIOKafkaAdminClient, NewTopic
     from aiokafka.errors import KafkaError, for_code
@@ -600,6 +606,7 @@ async def _create_topics(
     admin = AIOKafkaAdminClient(
         bootstrap_servers=bootstrap_servers,
         request_timeout_ms=max(1, int(timeout_s * 1000)),
+        **security,
     )
     try:
         async with asyncio.timeout(timeout_s):

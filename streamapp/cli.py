@@ -1,4 +1,5 @@
-"""The ``streamapp`` command line: ``broker``, ``worker``, ``publish`` and ``demo``."""
+"""The ``streamapp`` command line: ``broker``, ``worker``, ``publish``, ``demo``, ``settings`` and
+``dlq tail`` / ``dlq replay``."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import asyncio
 import logging
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -25,7 +26,7 @@ cli = typer.Typer(
 Broker = Annotated[
     Optional[str],
     typer.Option("--broker", "-b", help="Bootstrap servers, e.g. kafka://127.0.0.1:9092 "
-                 "[env STREAMAPP_BROKER]"),
+                 "(env STREAMAPP_BROKER)"),
 ]
 
 
@@ -69,6 +70,7 @@ def worker(
 
     from streamapp.app import create_app
     from streamapp.broker import create_topics
+    from streamapp.client import kafka_security_options
     from streamapp.settings import load_settings
 
     try:
@@ -83,8 +85,8 @@ def worker(
         # brokers that auto-create topics (Tansu does) would otherwise pick their default.
         create_topics(
             settings.bootstrap_servers,
-            {t: settings.topic_partitions
-             for t in (settings.request_topic, settings.result_topic, settings.dlq_topic)},
+            {t: settings.topic_partitions for t in settings.topics},
+            security=kafka_security_options(settings),
         )
         app = create_app(settings)
     except StreamAppError as exc:
@@ -105,7 +107,7 @@ def publish(
     model: Annotated[str, typer.Option(help="Model name put in each request.")] = "digits",
 ) -> None:
     """Publish scikit-learn's handwritten digits as frames from N devices (keyed by device)."""
-    from streamapp.client import digits_requests, load_digits_frames
+    from streamapp.client import digits_requests, kafka_security_options, load_digits_frames
     from streamapp.client import publish as publish_requests
     from streamapp.settings import load_settings
 
@@ -113,6 +115,7 @@ def publish(
         raise _fail(f"--codec must be json or msgpack, got {codec!r}", 2)
     try:
         settings = load_settings(broker=broker, topic_prefix=topic_prefix)
+        security = kafka_security_options(settings)
     except StreamAppError as exc:
         raise _fail(str(exc)) from None
     images, _ = load_digits_frames()
@@ -123,7 +126,7 @@ def publish(
         publish_requests(
             settings.bootstrap_servers, settings.request_topic, requests,
             codec=codec,  # type: ignore[arg-type]
-            rate_per_s=rate, progress=True,
+            rate_per_s=rate, progress=True, security=security,
         )
     )
     span = sent[-1].sent_at - sent[0].sent_at if len(sent) > 1 else 0.0
@@ -176,6 +179,161 @@ def settings(
     except StreamAppError as exc:
         raise _fail(str(exc)) from None
     typer.echo(current.model_dump_json(indent=2))
+
+
+# -- dlq ------------------------------------------------------------------------------------------
+
+dlq_cli = typer.Typer(
+    name="dlq",
+    help="Inspect and replay dead letters (the inference-dlq topic).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+cli.add_typer(dlq_cli, name="dlq")
+
+TopicPrefix = Annotated[
+    Optional[str], typer.Option(help="Topic name prefix (env STREAMAPP_TOPIC_PREFIX).")
+]
+Device = Annotated[Optional[str], typer.Option("--device", "-d", help="Only this device_id.")]
+Since = Annotated[
+    Optional[str],
+    typer.Option(help="Only dead letters since: a duration (10m, 2h, 1h30m), epoch seconds or "
+                 "ISO 8601 (2026-05-01T12:00:00Z)."),
+]
+
+
+def _dlq_context(broker: str | None, topic_prefix: str | None) -> tuple[Any, dict[str, Any]]:
+    from streamapp.client import kafka_security_options
+    from streamapp.settings import load_settings
+
+    try:
+        settings = load_settings(broker=broker, topic_prefix=topic_prefix)
+        return settings, kafka_security_options(settings)
+    except StreamAppError as exc:
+        raise _fail(str(exc)) from None
+
+
+def _since(since: str | None) -> float | None:
+    from streamapp.dlq import parse_since
+
+    if since is None:
+        return None
+    try:
+        return parse_since(since)
+    except ValueError as exc:
+        raise _fail(str(exc), 2) from None
+
+
+@dlq_cli.command("tail")
+def dlq_tail(
+    broker: Broker = None,
+    topic_prefix: TopicPrefix = None,
+    reason: Annotated[Optional[str], typer.Option("--reason", "-r", help="Only this reason "
+                      "code.")] = None,
+    device: Device = None,
+    since: Since = None,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new dead "
+                      "letters until Ctrl-C.")] = False,
+    limit: Annotated[int, typer.Option("--limit", "-n", min=0, help="Show the last N matching "
+                     "dead letters (0: all).")] = 50,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per line (the "
+                       "dead letter, key and value base64, plus its dlq position).")] = False,
+) -> None:
+    """Show dead letters: time, device, request_id, reason, stage, message, source."""
+    from streamapp.dlq import (
+        DeadLetterEntry,
+        DeadLetterFilter,
+        DeadLetterReader,
+        format_entries,
+        format_json_lines,
+    )
+
+    settings, security = _dlq_context(broker, topic_prefix)
+    where = DeadLetterFilter(reason=reason, device=device, since=_since(since))
+
+    def show(entries: list[DeadLetterEntry], *, header: bool) -> None:
+        text = (
+            format_json_lines(entries)
+            if as_json
+            else format_entries(entries, header=header, fixed=follow)
+        )
+        if text:
+            typer.echo(text)
+
+    async def run() -> None:
+        async with DeadLetterReader(
+            settings.bootstrap_servers, settings.dlq_topic, security=security
+        ) as reader:
+            everything = await reader.read_to_end()
+            matching = [e for e in everything if where.matches(e)]
+            matching.sort(key=lambda e: (e.failed_at, e.partition, e.offset))
+            shown = matching[-limit:] if limit else matching
+            show(shown, header=bool(shown) or follow)
+            skipped = f", {reader.skipped} not decodable" if reader.skipped else ""
+            typer.echo(
+                f"{len(shown)} shown of {len(matching)} matching ({where.describe()}) of "
+                f"{len(everything)} dead letters in {settings.dlq_topic}{skipped}",
+                err=True,
+            )
+            if follow:
+                async for entry in reader.follow():
+                    if where.matches(entry):
+                        show([entry], header=False)
+
+    try:
+        asyncio.run(run())
+    except StreamAppError as exc:
+        raise _fail(str(exc)) from None
+    except KeyboardInterrupt:
+        pass
+
+
+@dlq_cli.command("replay")
+def dlq_replay(
+    reason: Annotated[str, typer.Option("--reason", "-r", help="Replay dead letters with this "
+                      "reason code (required).")],
+    broker: Broker = None,
+    topic_prefix: TopicPrefix = None,
+    device: Device = None,
+    since: Since = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Count what would be replayed, "
+                       "publish nothing.")] = False,
+) -> None:
+    """Re-publish the original requests of matching dead letters to the request topic.
+
+    Each original key and value is sent unchanged, so the worker handles it as a new request
+    (attempt 0). Fix the cause first; replaying twice sends the requests twice.
+    """
+    from streamapp.codecs import REASONS
+    from streamapp.dlq import DeadLetterFilter, replay_dead_letters
+
+    settings, security = _dlq_context(broker, topic_prefix)
+    where = DeadLetterFilter(reason=reason, device=device, since=_since(since))
+    if reason not in REASONS:
+        typer.secho(
+            f"warning: {reason!r} is not a known reason code ({', '.join(REASONS)})",
+            fg=typer.colors.YELLOW, err=True,
+        )
+    try:
+        report = asyncio.run(
+            replay_dead_letters(
+                settings.bootstrap_servers, settings.dlq_topic, settings.request_topic,
+                where=where, dry_run=dry_run, security=security,
+            )
+        )
+    except StreamAppError as exc:
+        raise _fail(str(exc)) from None
+    if dry_run:
+        typer.echo(
+            f"dry run: would replay {report.matched} dead letters ({where.describe()}) to "
+            f"{report.request_topic}; nothing published"
+        )
+    else:
+        typer.echo(
+            f"replayed {report.replayed} dead letters ({where.describe()}) to "
+            f"{report.request_topic}"
+        )
 
 
 def main() -> None:

@@ -7,9 +7,10 @@ aiokafka, as a gateway in front of cameras would, not through Faust.
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,17 +19,89 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from tqdm import tqdm
 
 from streamapp.codecs import CodecName, decode_dead_letter, decode_result, encode_request
+from streamapp.exceptions import ConfigError
 from streamapp.records import DeadLetter, InferenceRequest, TensorPayload
+from streamapp.settings import Settings
 
 __all__ = [
     "Outcomes",
     "SentRequest",
     "collect_outcomes",
     "digits_requests",
+    "kafka_security_options",
     "load_digits_frames",
     "publish",
     "publish_values",
+    "ssl_context",
 ]
+
+
+# -- security --------------------------------------------------------------------------------------
+
+
+def ssl_context(settings: Settings) -> ssl.SSLContext | None:
+    """The TLS context for ``security_protocol`` SSL or SASL_SSL, else None.
+
+    Verifies the brokers' certificates against ``ssl_cafile`` (default: the system's trust
+    store), checks host names unless ``ssl_check_hostname`` is false, and presents
+    ``ssl_certfile``/``ssl_keyfile`` when set (mutual TLS).
+
+    Raises:
+        ConfigError: A file is missing or is not valid PEM; the message names the setting.
+    """
+    if not settings.security_protocol.endswith("SSL"):
+        return None
+    cafile = settings.ssl_cafile
+    try:
+        context = ssl.create_default_context(
+            ssl.Purpose.SERVER_AUTH, cafile=str(cafile) if cafile else None
+        )
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(
+            f"ssl_cafile {str(cafile)!r} cannot be used as CA certificates: {exc}; give a PEM "
+            "file (STREAMAPP_SSL_CAFILE)"
+        ) from None
+    context.check_hostname = settings.ssl_check_hostname
+    if settings.ssl_certfile is not None:
+        password = settings.ssl_key_password.get_secret_value() or None
+        try:
+            context.load_cert_chain(
+                str(settings.ssl_certfile),
+                str(settings.ssl_keyfile) if settings.ssl_keyfile else None,
+                password=password,
+            )
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(
+                f"ssl_certfile {str(settings.ssl_certfile)!r} / ssl_keyfile "
+                f"{str(settings.ssl_keyfile)!r} cannot be loaded: {exc}; give a PEM certificate "
+                "and its key (and ssl_key_password if the key is encrypted)"
+            ) from None
+    return context
+
+
+def kafka_security_options(settings: Settings) -> dict[str, Any]:
+    """Keyword arguments for aiokafka clients (producer, consumer, admin) from the settings.
+
+    Args:
+        settings: ``security_protocol``, ``sasl_*`` and ``ssl_*``.
+
+    Returns:
+        ``security_protocol``, plus ``ssl_context`` with SSL/SASL_SSL and ``sasl_mechanism``,
+        ``sasl_plain_username``, ``sasl_plain_password`` with SASL_* (aiokafka uses these two
+        for SCRAM as well). Holds the password in clear: never log it.
+
+    Raises:
+        ConfigError: See :func:`ssl_context`.
+    """
+    options: dict[str, Any] = {"security_protocol": settings.security_protocol}
+    context = ssl_context(settings)
+    if context is not None:
+        options["ssl_context"] = context
+    if settings.security_protocol.startswith("SASL_"):
+        options["sasl_mechanism"] = settings.sasl_mechanism
+        options["sasl_plain_username"] = settings.sasl_username
+        options["sasl_plain_password"] = settings.sasl_password.get_secret_value()
+    return options
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,9 +179,10 @@ def digits_requests(
     return out
 
 
-def _producer(bootstrap_servers: str) -> AIOKafkaProducer:
+def _producer(bootstrap_servers: str, security: Mapping[str, Any] | None) -> AIOKafkaProducer:
     return AIOKafkaProducer(
-        bootstrap_servers=bootstrap_servers, acks="all", linger_ms=2, request_timeout_ms=30_000
+        bootstrap_servers=bootstrap_servers, acks="all", linger_ms=2, request_timeout_ms=30_000,
+        **(security or {}),
     )
 
 
@@ -120,6 +194,7 @@ async def publish(
     codec: CodecName = "json",
     rate_per_s: float | None = None,
     progress: bool = False,
+    security: Mapping[str, Any] | None = None,
 ) -> list[SentRequest]:
     """Publish requests keyed by ``device_id`` (UTF-8), stamping ``ts`` at send time.
 
@@ -130,11 +205,12 @@ async def publish(
         codec: ``"json"`` (base64 tensors) or ``"msgpack"`` (raw bytes).
         rate_per_s: Open-loop send rate (requests/s); None sends as fast as possible.
         progress: Show a progress bar on stderr.
+        security: aiokafka security options (:func:`kafka_security_options`); None: plaintext.
 
     Returns:
         One :class:`SentRequest` per request, after the broker acknowledged all of them.
     """
-    producer = _producer(bootstrap_servers)
+    producer = _producer(bootstrap_servers, security)
     await producer.start()
     sent: list[SentRequest] = []
     futures = []
@@ -167,10 +243,17 @@ async def publish(
 
 
 async def publish_values(
-    bootstrap_servers: str, topic: str, records: Iterable[tuple[bytes | None, bytes]]
+    bootstrap_servers: str,
+    topic: str,
+    records: Iterable[tuple[bytes | None, bytes]],
+    *,
+    security: Mapping[str, Any] | None = None,
 ) -> None:
-    """Publish raw ``(key, value)`` records in order (for bad-input tests and replays)."""
-    producer = _producer(bootstrap_servers)
+    """Publish raw ``(key, value)`` records in order (for bad-input tests and replays).
+
+    ``security``: aiokafka security options (:func:`kafka_security_options`); None: plaintext.
+    """
+    producer = _producer(bootstrap_servers, security)
     await producer.start()
     try:
         for key, value in records:
@@ -206,6 +289,7 @@ async def collect_outcomes(
     done: Callable[[Outcomes], bool],
     timeout_s: float = 60.0,
     progress_total: int | None = None,
+    security: Mapping[str, Any] | None = None,
 ) -> Outcomes:
     """Read both topics from the beginning until ``done(outcomes)`` or the timeout.
 
@@ -213,6 +297,7 @@ async def collect_outcomes(
         done: Called after each fetch; return True to stop.
         timeout_s: Give up after this long and return what was read (callers check counts).
         progress_total: Show a progress bar of outcomes read towards this total.
+        security: aiokafka security options (:func:`kafka_security_options`); None: plaintext.
 
     Returns:
         What was read.
@@ -222,6 +307,7 @@ async def collect_outcomes(
         group_id=None,
         enable_auto_commit=False,
         auto_offset_reset="earliest",
+        **(security or {}),
     )
     await consumer.start()
     outcomes = Outcomes()

@@ -12,6 +12,7 @@ import base64
 import binascii
 import json
 import math
+import time
 from typing import Any, Literal
 
 import msgpack
@@ -22,7 +23,10 @@ from streamapp.records import DeadLetter, InferenceRequest, TensorPayload
 
 __all__ = [
     "ALLOWED_DTYPES",
+    "MAX_REQUEST_TS_AHEAD_S",
+    "MIN_REQUEST_TS",
     "REASONS",
+    "check_key",
     "decode_dead_letter",
     "decode_request",
     "decode_result",
@@ -34,21 +38,40 @@ __all__ = [
 
 CodecName = Literal["json", "msgpack"]
 
-#: Reason codes of rejected requests (dead-letter ``error.reason``).
+#: Reason codes of rejected requests (dead-letter ``error.reason``). The README's reason table
+#: documents each one (a test checks it).
 REASONS: dict[str, str] = {
     "invalid_json": "the value is not valid UTF-8 JSON",
     "invalid_msgpack": "the value is not valid msgpack",
     "wrong_type": "the value is not an object/map, or a field has the wrong type",
     "missing_field": "a required field is missing",
-    "too_large": "the value is larger than max_request_bytes",
+    "too_large": "the value is larger than max_request_bytes, or an image has too many pixels",
     "bad_tensor": "the tensor's data does not match its dtype and shape, or is not valid base64",
+    "bad_timestamp": "ts is before 2001-01-01 or more than a day ahead of the worker's clock",
+    "empty_key": "the record has no key (null or empty); key requests by device_id",
     "key_mismatch": "the record key is not the request's device_id (UTF-8)",
     "unknown_model": "the model is not loaded by this worker",
     "bad_dtype": "the tensor's dtype is not one the model accepts",
     "bad_shape": "the tensor's shape is not the one the model expects",
+    "non_finite": "the tensor holds NaN or infinity and the model does not allow them",
     "unsupported_input": "the model does not accept this kind of input (tensor/image)",
-    "inference_failed": "the engine failed on this request",
+    "undecodable_image": "the image is not a PNG/JPEG that can be decoded",
+    "duplicate_request_id": "another request with the same request_id is in the same batch",
+    "inference_failed": "the engine failed on this request with a non-retriable error",
+    "retries_exhausted": "transient failures persisted through max_retries retries",
+    "invalid_retry_record": "a record in the retry topic was not written by streamapp",
 }
+
+#: Earliest capture time accepted in a request's ``ts`` (epoch seconds): 2001-01-01T00:00:00Z.
+#: Earlier values come from device clocks that were never set (1970) or from a wrong unit;
+#: 2001-01-01 also leaves room for the 10-digit epoch values (>= 1e9, 2001-09-09) that test
+#: fixtures like to use.
+MIN_REQUEST_TS = 978_307_200.0
+
+#: How far ahead of the worker's clock a request's ``ts`` may be (seconds): one day. That
+#: tolerates skewed device clocks and time-zone mistakes, and rejects epoch milliseconds sent
+#: as seconds (tens of thousands of years ahead).
+MAX_REQUEST_TS_AHEAD_S = 86_400.0
 
 #: Element types a request tensor may have. Object, string and void dtypes are never accepted.
 ALLOWED_DTYPES: frozenset[str] = frozenset(
@@ -56,6 +79,7 @@ ALLOWED_DTYPES: frozenset[str] = frozenset(
 )
 
 _MAX_RANK = 8
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _REQUIRED: tuple[tuple[str, type | tuple[type, ...]], ...] = (
     ("request_id", str),
     ("device_id", str),
@@ -106,7 +130,9 @@ def _looks_like_msgpack_map(value: bytes) -> bool:
     return 0x80 <= first <= 0x8F or first in (0xDE, 0xDF)
 
 
-def decode_request(value: bytes | None, *, max_request_bytes: int = 1 << 20) -> InferenceRequest:
+def decode_request(
+    value: bytes | None, *, max_request_bytes: int = 1 << 20, now: float | None = None
+) -> InferenceRequest:
     """Decode and validate a request value of either codec (detected from the first byte).
 
     A value starting with a msgpack map header is msgpack; anything else is treated as JSON.
@@ -114,6 +140,7 @@ def decode_request(value: bytes | None, *, max_request_bytes: int = 1 << 20) -> 
     Args:
         value: The raw record value.
         max_request_bytes: Values longer than this are rejected before parsing.
+        now: The worker's clock (epoch seconds) for the ``ts`` bounds; default ``time.time()``.
 
     Returns:
         The request; its tensor's byte length is checked against dtype and shape.
@@ -141,13 +168,60 @@ def decode_request(value: bytes | None, *, max_request_bytes: int = 1 << 20) -> 
         try:
             body = json.loads(value)
         # RecursionError: the C scanner's answer to deeply nested arrays/objects ("[[[[...").
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        # ValueError: also an integer literal longer than sys.get_int_max_str_digits() (4300).
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
             raise InvalidRequestError("invalid_json", f"cannot decode JSON: {exc}") from exc
     if not isinstance(body, dict):
         raise InvalidRequestError(
             "wrong_type", f"the value is a {type(body).__name__}, expected an object with fields"
         )
-    return _request_from_body(body, binary=binary)
+    return _request_from_body(body, binary=binary, now=time.time() if now is None else now)
+
+
+def check_key(key: bytes | None, request: InferenceRequest) -> None:
+    """Check a request record's Kafka key: it must be the request's ``device_id`` in UTF-8.
+
+    The key decides the partition, and so the order a device's requests are answered in; a
+    missing or different key would silently break per-device order.
+
+    Args:
+        key: The record key as stored in Kafka (raw bytes, or None).
+        request: The decoded request value of that record.
+
+    Raises:
+        InvalidRequestError: ``empty_key`` (None or zero bytes) or ``key_mismatch``.
+    """
+    if not key:
+        raise InvalidRequestError(
+            "empty_key",
+            f"the record has {'no key' if key is None else 'an empty key'}; key each request by "
+            f"its device_id (here {request.device_id!r}, UTF-8) so a device's requests share a "
+            "partition and keep their order",
+        )
+    if key != request.device_id.encode("utf-8"):
+        shown = key[:64] + (b"..." if len(key) > 64 else b"")
+        raise InvalidRequestError(
+            "key_mismatch",
+            f"the record key {shown!r} is not the request's device_id {request.device_id!r}; "
+            "key records by device_id (UTF-8) to keep device order",
+        )
+
+
+def _check_ts(ts: float, now: float) -> None:
+    if ts < MIN_REQUEST_TS:
+        raise InvalidRequestError(
+            "bad_timestamp",
+            f"field 'ts' is {ts!r}, before 2001-01-01 (epoch {MIN_REQUEST_TS:.0f}); send the "
+            "capture time in epoch seconds from a synchronised clock",
+        )
+    if ts > now + MAX_REQUEST_TS_AHEAD_S:
+        hint = " (it looks like milliseconds)" if ts > now * 100 else ""
+        raise InvalidRequestError(
+            "bad_timestamp",
+            f"field 'ts' is {ts!r}, {ts - now:.0f} s ahead of the worker's clock{hint}; more "
+            f"than {MAX_REQUEST_TS_AHEAD_S:.0f} s ahead is not a capture time: send epoch seconds "
+            "from a synchronised clock",
+        )
 
 
 def _field(body: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
@@ -162,10 +236,26 @@ def _field(body: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> An
     return value
 
 
-def _request_from_body(body: dict[str, Any], *, binary: bool) -> InferenceRequest:
+def _short(value: Any, limit: int = 24) -> str:
+    text = repr(value) if not isinstance(value, int) or value.bit_length() < 256 else "a huge int"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _request_from_body(body: dict[str, Any], *, binary: bool, now: float) -> InferenceRequest:
     fields = {name: _field(body, name, kind) for name, kind in _REQUIRED}
-    if not math.isfinite(fields["ts"]):
-        raise InvalidRequestError("wrong_type", f"field 'ts' is {fields['ts']}, not a time")
+    # JSON integers are unbounded: a 400-digit ts overflows float(), a huge seq cannot be
+    # written as msgpack (results) — reject both here rather than crash later.
+    try:
+        ts = float(fields["ts"])
+    except OverflowError:
+        ts = math.inf
+    if not math.isfinite(ts):
+        raise InvalidRequestError("wrong_type", f"field 'ts' is {_short(fields['ts'])}, not a time")
+    if not _INT64_MIN <= fields["seq"] <= _INT64_MAX:
+        raise InvalidRequestError(
+            "wrong_type",
+            f"field 'seq' is {_short(fields['seq'])}, outside the 64-bit integer range",
+        )
     for name in ("request_id", "device_id", "model"):
         if not fields[name]:
             raise InvalidRequestError("wrong_type", f"field {name!r} is empty")
@@ -177,11 +267,12 @@ def _request_from_body(body: dict[str, Any], *, binary: bool) -> InferenceReques
         )
     tensor = _tensor_from_body(tensor_body, binary=binary) if tensor_body is not None else None
     image = _bytes_field(image_body, "image", binary=binary) if image_body is not None else None
+    _check_ts(ts, now)  # after the structure: a malformed request is reported as such first
     return InferenceRequest(
         request_id=fields["request_id"],
         device_id=fields["device_id"],
         seq=fields["seq"],
-        ts=float(fields["ts"]),
+        ts=ts,
         model=fields["model"],
         tensor=tensor,
         image=image,
@@ -276,6 +367,7 @@ def encode_dead_letter(letter: DeadLetter) -> bytes:
         "worker": letter.worker,
         "key": None if letter.key is None else base64.b64encode(letter.key).decode("ascii"),
         "value": base64.b64encode(letter.value).decode("ascii"),
+        "errors": letter.errors,
         **({"extra": letter.extra} if letter.extra else {}),
     }
     return json.dumps(body, separators=(",", ":")).encode()
@@ -295,5 +387,6 @@ def decode_dead_letter(value: bytes) -> DeadLetter:
         request_id=body.get("request_id"),
         device_id=body.get("device_id"),
         worker=body.get("worker", ""),
+        errors=body.get("errors", []),
         extra=body.get("extra", {}),
     )

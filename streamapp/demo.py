@@ -177,8 +177,7 @@ def run_demo(
             settings = load_settings(broker=broker.url, app_id=app_id, backend=backend)
             create_topics(
                 broker.bootstrap_servers,
-                {t: settings.topic_partitions
-                 for t in (settings.request_topic, settings.result_topic, settings.dlq_topic)},
+                {t: settings.topic_partitions for t in settings.topics},
             )
             worker = WorkerProcess(
                 {"broker": broker.url, "app_id": app_id, "backend": backend,

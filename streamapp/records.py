@@ -91,6 +91,8 @@ class DeadLetter:
         first_failed_ts / last_failed_ts: Epoch seconds.
         source: ``{topic, partition, offset}`` of the original record.
         request_id / device_id: Copied from the request when it could be decoded, else None.
+        errors: Every failed attempt, ``{attempt, reason, type, message, ts}`` (the last one is
+            ``error``); one entry when the request was rejected without retries.
     """
 
     value: bytes
@@ -103,4 +105,5 @@ class DeadLetter:
     request_id: str | None = None
     device_id: str | None = None
     worker: str = ""
+    errors: list[dict[str, Any]] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)

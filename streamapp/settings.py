@@ -10,15 +10,25 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_origin
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from streamapp.exceptions import ConfigError
 
-__all__ = ["Backend", "Codec", "Settings", "load_settings", "settings_reference"]
+__all__ = [
+    "Backend",
+    "Codec",
+    "SaslMechanism",
+    "SecurityProtocol",
+    "Settings",
+    "load_settings",
+    "settings_reference",
+]
 
 Codec = Literal["json", "msgpack"]
-Backend = Literal["auto", "onnxruntime", "tensorrt", "torch"]
+Backend = Literal["auto", "onnxruntime", "tensorrt", "torch", "faulty"]
+SecurityProtocol = Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]
+SaslMechanism = Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"]
 
 #: Defaults from shared/BROKER.md: with these a worker joins its group in about 5 s on Tansu
 #: (Tansu holds each JoinGroup for half the session timeout).
@@ -33,7 +43,10 @@ class Settings(BaseSettings):
             :func:`load_settings` turns it into :class:`ConfigError`.
     """
 
-    model_config = SettingsConfigDict(env_prefix="STREAMAPP_", frozen=True, extra="forbid")
+    # hide_input_in_errors: a validation error must not print the inputs (sasl_password).
+    model_config = SettingsConfigDict(
+        env_prefix="STREAMAPP_", frozen=True, extra="forbid", hide_input_in_errors=True
+    )
 
     # -- Kafka ---------------------------------------------------------------------------------
     broker: str = Field(
@@ -59,6 +72,12 @@ class Settings(BaseSettings):
         _FAST_GROUP["rebalance_timeout_s"], gt=0, description="Group rebalance timeout (s)."
     )
     request_timeout_s: float = Field(30.0, gt=0, description="Kafka request timeout (s).")
+    group_instance_id: str = Field(
+        "",
+        description="Static group membership id (KIP-345), unique per worker and stable across "
+        "its restarts (e.g. the pod name); a restarted worker then gets its partitions back "
+        "without a rebalance. Empty: dynamic membership.",
+    )
     producer_linger_ms: float = Field(1.0, ge=0, description="Producer batching delay.")
     stream_buffer_maxsize: int = Field(
         4096, ge=1, description="Messages Faust buffers per partition before pausing fetches."
@@ -72,7 +91,10 @@ class Settings(BaseSettings):
     max_inflight_batches: int = Field(
         2, ge=1, description="Batches running at once; reading pauses beyond this (backpressure)."
     )
-    backend: Backend = Field("auto", description="Engine backend, or 'auto'.")
+    backend: Backend = Field(
+        "auto", description="Engine backend, or 'auto'. 'faulty' injects failures for tests only "
+        "(rules in ENGINES_FAULTS, see engines.testing)."
+    )
     models_dir: Path | None = Field(
         None, description="Model repository; default: the models bundled with streamapp."
     )
@@ -110,6 +132,110 @@ class Settings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Worker log level."
     )
+
+    # -- Tables and web (streamapp.tables, streamapp.views, streamapp.metrics) ---------------------
+    web_host: str = Field(
+        "",
+        description="Host name other workers use to reach this worker's web server (requests "
+        "for a device are forwarded to the worker that owns it); default: web_bind, or the "
+        "host name when web_bind is 0.0.0.0.",
+    )
+    tumbling_window_s: float = Field(
+        10.0, gt=0, description="Size of the per-device tumbling windows (s)."
+    )
+    hopping_window_s: float = Field(
+        60.0, gt=0, description="Size of the per-device hopping windows (s)."
+    )
+    hopping_step_s: float = Field(
+        10.0, gt=0,
+        description="Hopping windows start every this many seconds; hopping_window_s must be a "
+        "multiple of it.",
+    )
+    window_expires_s: float = Field(
+        3600.0, gt=0,
+        description="Windows older than this (s) are deleted from the tables and no longer served.",
+    )
+    latency_ewma_alpha: float = Field(
+        0.1, gt=0, le=1,
+        description="Weight of the newest request in each device's latency EWMA.",
+    )
+
+    @model_validator(mode="after")
+    def _check_windows(self) -> Settings:
+        ratio = self.hopping_window_s / self.hopping_step_s
+        if abs(ratio - round(ratio)) > 1e-9 or round(ratio) < 1:
+            raise ValueError(
+                f"hopping_window_s ({self.hopping_window_s}) must be a whole multiple of "
+                f"hopping_step_s ({self.hopping_step_s}), e.g. 60 and 10"
+            )
+        longest = max(self.tumbling_window_s, self.hopping_window_s)
+        if self.window_expires_s < longest:
+            raise ValueError(
+                f"window_expires_s ({self.window_expires_s}) must be at least the longest window "
+                f"({longest}); raise it or shorten the windows"
+            )
+        for name in ("tumbling_window_s", "hopping_step_s"):
+            value = getattr(self, name)
+            if abs(value * 1000 - round(value * 1000)) > 1e-6:
+                raise ValueError(f"{name} ({value}) must be a whole number of milliseconds")
+        return self
+
+    # -- Security ----------------------------------------------------------------------------------
+    # Passed to Faust (broker_credentials) and to every aiokafka client (streamapp.client).
+    security_protocol: SecurityProtocol = Field(
+        "PLAINTEXT",
+        description="How clients talk to Kafka: PLAINTEXT, SSL (TLS), SASL_PLAINTEXT (SASL "
+        "without TLS: passwords in clear, test setups only) or SASL_SSL.",
+    )
+    sasl_mechanism: SaslMechanism = Field(
+        "PLAIN", description="SASL mechanism with SASL_PLAINTEXT / SASL_SSL."
+    )
+    sasl_username: str = Field("", description="SASL user name (required with SASL_*).")
+    sasl_password: SecretStr = Field(
+        SecretStr(""),
+        description="SASL password (required with SASL_*); never printed or logged.",
+    )
+    ssl_cafile: Path | None = Field(
+        None,
+        description="PEM file with the CA certificates that signed the brokers' certificates "
+        "(SSL / SASL_SSL); default: the system's trust store.",
+    )
+    ssl_certfile: Path | None = Field(
+        None, description="PEM client certificate for mutual TLS (SSL / SASL_SSL)."
+    )
+    ssl_keyfile: Path | None = Field(
+        None, description="PEM private key of ssl_certfile, when not inside that file."
+    )
+    ssl_key_password: SecretStr = Field(
+        SecretStr(""), description="Password of an encrypted ssl_keyfile; never printed."
+    )
+    ssl_check_hostname: bool = Field(
+        True, description="Check that each broker's certificate names its host (SSL / SASL_SSL)."
+    )
+
+    @model_validator(mode="after")
+    def _check_security(self) -> Settings:
+        sasl = self.security_protocol.startswith("SASL_")
+        tls = self.security_protocol.endswith("SSL")
+        if sasl and not (self.sasl_username and self.sasl_password.get_secret_value()):
+            raise ValueError(
+                f"security_protocol {self.security_protocol} needs sasl_username and "
+                "sasl_password (STREAMAPP_SASL_USERNAME, STREAMAPP_SASL_PASSWORD)"
+            )
+        if not sasl and (self.sasl_username or self.sasl_password.get_secret_value()):
+            raise ValueError(
+                f"sasl_username/sasl_password are set but security_protocol is "
+                f"{self.security_protocol}; use SASL_SSL (or SASL_PLAINTEXT) to send them"
+            )
+        files = [n for n in ("ssl_cafile", "ssl_certfile", "ssl_keyfile") if getattr(self, n)]
+        if files and not tls:
+            raise ValueError(
+                f"{', '.join(files)} set but security_protocol is {self.security_protocol}; use "
+                "SSL or SASL_SSL for TLS"
+            )
+        if self.ssl_keyfile and not self.ssl_certfile:
+            raise ValueError("ssl_keyfile is set without ssl_certfile; set both for mutual TLS")
+        return self
 
     @field_validator("models", mode="before")
     @classmethod
@@ -149,6 +275,11 @@ class Settings(BaseSettings):
     @property
     def retry_topic(self) -> str:
         return self.topic("retry")
+
+    @property
+    def topics(self) -> tuple[str, ...]:
+        """Every topic the worker reads or writes (create them with ``topic_partitions``)."""
+        return (self.request_topic, self.result_topic, self.dlq_topic, self.retry_topic)
 
     @property
     def bootstrap_servers(self) -> str:

@@ -1,11 +1,22 @@
-"""The inference pipeline behind the request agent, independent of Faust.
+"""The inference pipeline behind the request and retry agents, independent of Faust.
 
 For each source record: decode and validate (bad input becomes a dead letter with a reason
 code), pre-process into an engine input item, micro-batch (:mod:`streamapp.batching`), run the
-batch on the model's executor, post-process, and produce the result or dead letter. Outcomes are
-produced in the order records were read, and a record is acknowledged only once the broker has
-acknowledged what was produced for it; Faust then commits the contiguous acknowledged prefix of
-each partition, so a crash can duplicate but never lose a request.
+batch on the model's executor, post-process, and produce the outcome:
+
+* a **result** to the result topic;
+* a **retry record** to the retry topic when inference failed with a retriable error (engine
+  error, out of memory, timeout) and ``max_retries`` is not exhausted;
+* a **dead letter** otherwise (bad input, non-retriable failure, retries exhausted).
+
+When a whole batch fails, it is split in halves recursively (bisection) until the failing
+request(s) are isolated, so one poison request does not fail its neighbours: a batch of ``n``
+with one poison request costs at most ``2·log2(n)`` extra engine calls.
+
+Outcomes are produced in the order records were read (per-device order), and a record is
+acknowledged — its ``ack`` callback called — only once the broker acknowledged the outcome. The
+caller (the Faust agent) turns acks into committed offsets (:mod:`streamapp.offsets`), so a crash
+can duplicate but never lose a request.
 """
 
 from __future__ import annotations
@@ -22,11 +33,13 @@ import numpy as np
 from engines.base import EngineInfo
 from engines.exceptions import EngineError
 from engines.executor import Executor
-from streamapp.batching import Completion, MicroBatcher
-from streamapp.codecs import decode_request, encode_dead_letter, encode_result
+from streamapp.agents.observer import Outcome, OutcomeKind, PipelineObserver
+from streamapp.batching import BatchInfo, Completion, MicroBatcher
+from streamapp.codecs import check_key, decode_request, encode_dead_letter, encode_result
 from streamapp.exceptions import InvalidRequestError, StreamAppError
 from streamapp.models import ModelConfig
 from streamapp.records import DeadLetter, InferenceRequest, InferenceResult
+from streamapp.retry import MemoryRetryStore, RetryRecord, RetryStore, backoff_s
 from streamapp.settings import Settings
 
 __all__ = ["InferencePipeline", "LoadedModel", "PipelineStats", "Sink", "SourceMessage"]
@@ -36,13 +49,16 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class SourceMessage:
-    """One record read from the request topic.
+    """One record read from the request topic (or a due retry).
 
     Attributes:
-        key / value: Raw bytes as stored in Kafka (either may be None).
-        topic / partition / offset: Where it was read.
-        ack: Marks the record processed (safe to commit); called at most once.
+        key / value: The request record's raw key and value (for a retry: the original ones).
+        topic / partition / offset: Where this record was read (for a retry: the retry topic).
+        ack: Marks the record finished (safe to commit); called at most once, after its
+            outcome was acknowledged by the broker.
         received_at: ``time.monotonic()`` when it was read.
+        event: The Faust event it came in, or None outside Faust.
+        retry: The retry record when this is a retry, else None.
     """
 
     key: bytes | None
@@ -52,6 +68,8 @@ class SourceMessage:
     offset: int
     ack: Callable[[], Any]
     received_at: float = field(default_factory=time.monotonic)
+    event: Any = None
+    retry: RetryRecord | None = None
 
 
 class Sink(Protocol):
@@ -80,26 +98,43 @@ class _Work:
     model: LoadedModel | None = None
     array: np.ndarray | None = None
 
+    @property
+    def attempt(self) -> int:
+        return self.source.retry.attempt if self.source.retry is not None else 0
+
+
+@dataclass(slots=True)
+class _ItemResult:
+    """What the engine gave one item: outputs, or the error of the smallest batch that failed."""
+
+    outputs: dict[str, Any] | None = None
+    error: BaseException | None = None
+    infer_ms: float = 0.0
+
 
 @dataclass
 class PipelineStats:
-    """Counters since start: records read, results, dead letters by reason, produce failures."""
+    """Counters since start."""
 
     received: int = 0
     results: int = 0
+    retries: int = 0
     dead_letters: dict[str, int] = field(default_factory=dict)
     produce_failures: int = 0
     acked: int = 0
+    bisections: int = 0
 
 
 class InferencePipeline:
-    """Decode → validate → batch → infer → produce, in read order.
+    """Decode → validate → batch → infer (bisecting failed batches) → produce, in read order.
 
     Args:
-        settings: Topics, batching limits, ``max_request_bytes``, ``top_k``, result codec.
+        settings: Topics, batching limits, retry policy, ``max_request_bytes``, ``top_k``.
         models: Loaded models by name (the request's ``model`` field).
-        sink: Producer of results and dead letters.
+        sink: Producer of results, retry records and dead letters.
         worker: Name put in results and dead letters.
+        retry_store: Where attempt counters live; a dict when None.
+        observers: Told about every outcome and batch (tables, metrics).
     """
 
     def __init__(
@@ -109,12 +144,17 @@ class InferencePipeline:
         sink: Sink,
         *,
         worker: str,
+        retry_store: RetryStore | None = None,
+        observers: Sequence[PipelineObserver] = (),
     ) -> None:
         self.settings = settings
         self.models = dict(models)
         self.sink = sink
         self.worker = worker
+        self.retry_store: RetryStore = retry_store or MemoryRetryStore()
+        self.observers = list(observers)
         self.stats = PipelineStats()
+        self._emitted_in_batch: dict[str, int] = {}
         self.batcher: MicroBatcher[_Work] = MicroBatcher(
             self._run_batch,
             self._emit,
@@ -141,7 +181,7 @@ class InferencePipeline:
             work.request = decode_request(
                 message.value, max_request_bytes=self.settings.max_request_bytes
             )
-            self._check_key(message.key, work.request)
+            check_key(message.key, work.request)
             work.model = self._model(work.request.model)
             work.array = work.model.config.preprocess(work.request)
         except InvalidRequestError as exc:
@@ -149,13 +189,10 @@ class InferencePipeline:
             return
         await self.batcher.put(work, key=work.request.model)
 
-    def _check_key(self, key: bytes | None, request: InferenceRequest) -> None:
-        if key is None or key.decode("utf-8", "replace") != request.device_id:
-            raise InvalidRequestError(
-                "key_mismatch",
-                f"the record key {key!r} is not the request's device_id "
-                f"{request.device_id!r}; key records by device_id (UTF-8) to keep device order",
-            )
+    async def reject(self, message: SourceMessage, error: InvalidRequestError) -> None:
+        """Send a record that cannot be processed at all straight to the DLQ, in read order."""
+        self.stats.received += 1
+        await self.batcher.put_done(_Work(message), error)
 
     def _model(self, name: str) -> LoadedModel:
         try:
@@ -169,37 +206,107 @@ class InferencePipeline:
 
     # -- batches --------------------------------------------------------------------------------
 
-    async def _run_batch(self, key: Hashable, batch: list[_Work]) -> Sequence[Any]:
+    async def _run_batch(self, key: Hashable, batch: list[_Work]) -> Sequence[_ItemResult]:
         model = self.models[str(key)]
+        results: list[_ItemResult | None] = [None] * len(batch)
+        runnable: list[int] = []
+        seen: set[str] = set()
+        for i, work in enumerate(batch):
+            assert work.request is not None
+            request_id = work.request.request_id
+            if request_id in seen:
+                results[i] = _ItemResult(error=InvalidRequestError(
+                    "duplicate_request_id",
+                    f"request_id {request_id!r} appears twice in one batch; request ids must "
+                    "be unique (the first one is answered)",
+                ))
+            else:
+                seen.add(request_id)
+                runnable.append(i)
+        if runnable:
+            outcomes = await self._infer_bisect(model, [batch[i] for i in runnable])
+            for i, outcome in zip(runnable, outcomes, strict=True):
+                results[i] = outcome
+        return [r if r is not None else _ItemResult(error=RuntimeError("no result"))
+                for r in results]
+
+    async def _infer_bisect(self, model: LoadedModel, works: list[_Work]) -> list[_ItemResult]:
         config = model.config
-        started = time.perf_counter()
         items = []
-        for work in batch:
+        for work in works:
             assert work.array is not None
             items.append({config.input_name: work.array})
-        outputs = await model.executor.run(items)
+        started = time.perf_counter()
+        try:
+            outputs = await model.executor.run(items)
+        except EngineError as exc:
+            if len(works) == 1:
+                return [_ItemResult(error=exc)]
+            self.stats.bisections += 1
+            mid = len(works) // 2
+            log.info(
+                "a batch of %d failed (%s: %s); bisecting to isolate the failing request(s)",
+                len(works), type(exc).__name__, exc,
+            )
+            return (
+                await self._infer_bisect(model, works[:mid])
+                + await self._infer_bisect(model, works[mid:])
+            )
         infer_ms = (time.perf_counter() - started) * 1000.0
         probs = outputs[config.output_name]
         k = min(self.settings.top_k, len(config.labels))
-        return [({"top_k": config.top_k(probs[i], k)}, infer_ms) for i in range(len(batch))]
+        return [
+            _ItemResult(outputs={"top_k": config.top_k(probs[i], k)}, infer_ms=infer_ms)
+            for i in range(len(works))
+        ]
 
     # -- output ---------------------------------------------------------------------------------
 
     async def _emit(self, completion: Completion[_Work]) -> None:
         work = completion.item
         source = work.source
-        if completion.error is None:
-            topic, value = self.settings.result_topic, self._result_value(completion)
-            self.stats.results += 1
+        item: _ItemResult | None = completion.result
+        error = completion.error
+        if error is None and item is not None:
+            error = item.error
+        retry = source.retry
+        if error is None:
+            assert item is not None
+            topic, key, value, outcome = self._result(work, item, completion.batch)
+        elif self._should_retry(work, error):
+            topic, key, value, outcome = self._retry(work, error)
         else:
-            topic, value = self.settings.dlq_topic, self._dead_letter_value(completion)
-        ack_future = await self.sink.send(topic, source.key, value)
+            topic, key, value, outcome = self._dead_letter(work, error)
+        if retry is not None and outcome.kind != "retry":
+            self.retry_store.finish(retry.request_id, source.event)  # the request is finished
+        ack_future = await self.sink.send(topic, key, value)
+        self._after_send(ack_future, topic, source)
+        for observer in self.observers:
+            if completion.batch is not None and completion.batch.batch_id not in \
+                    self._emitted_in_batch:
+                observer.on_batch(work.request.model if work.request else "", completion.batch)
+            observer.on_outcome(outcome)
+        await self._maybe_flush(completion.batch)
 
+    async def _maybe_flush(self, batch: BatchInfo | None) -> None:
+        if batch is not None:
+            done = self._emitted_in_batch.get(batch.batch_id, 0) + 1
+            if done < batch.size:
+                self._emitted_in_batch[batch.batch_id] = done
+                return
+            self._emitted_in_batch.pop(batch.batch_id, None)
+        for observer in self.observers:
+            try:
+                await observer.flush()
+            except Exception:
+                log.exception("observer %r failed to flush", observer)
+
+    def _after_send(self, ack_future: Any, topic: str, source: SourceMessage) -> None:
         def on_produced(fut: Any) -> None:
             if fut.cancelled() or fut.exception() is not None:
                 self.stats.produce_failures += 1
                 log.error(
-                    "producing to %s for %s[%d]@%d failed (%s): the record stays unacknowledged "
+                    "producing to %s for %s[%d]@%d failed (%s): the record stays uncommitted "
                     "and is processed again after a restart",
                     topic, source.topic, source.partition, source.offset,
                     "cancelled" if fut.cancelled() else fut.exception(),
@@ -209,18 +316,72 @@ class InferencePipeline:
             self.stats.acked += 1
 
         add_done_callback = getattr(ack_future, "add_done_callback", None)
-        if add_done_callback is None:  # a sink that produces synchronously
-            await ack_future
-            source.ack()
-            self.stats.acked += 1
-        else:
-            add_done_callback(on_produced)
+        if add_done_callback is None:
+            raise TypeError(f"sink.send must return a future, got {type(ack_future).__name__}")
+        add_done_callback(on_produced)
 
-    def _result_value(self, completion: Completion[_Work]) -> bytes:
-        work = completion.item
-        request, model, batch = work.request, work.model, completion.batch
+    def _should_retry(self, work: _Work, error: BaseException) -> bool:
+        retriable = getattr(error, "retriable", False)
+        return bool(retriable) and work.request is not None
+
+    def _error_entry(self, work: _Work, error: BaseException) -> dict[str, Any]:
+        return {
+            "attempt": work.attempt,
+            "reason": self._reason(work, error)[0],
+            "type": type(error).__name__,
+            "message": str(error),
+            "ts": time.time(),
+        }
+
+    def _reason(self, work: _Work, error: BaseException) -> tuple[str, str]:
+        """``(reason, stage)`` of a failure."""
+        if isinstance(error, InvalidRequestError):
+            stage = "decode" if work.request is None else "validate"
+            if error.reason == "duplicate_request_id":
+                stage = "batch"
+            return error.reason, stage
+        if isinstance(error, EngineError):
+            return error.reason if error.retriable else "inference_failed", "inference"
+        if isinstance(error, StreamAppError):
+            return error.reason, "inference"
+        log.error(
+            "internal error on %s[%d]@%d:\n%s",
+            work.source.topic, work.source.partition, work.source.offset,
+            "".join(traceback.format_exception(error)),
+        )
+        return "internal_error", "inference"
+
+    def _outcome(
+        self, kind: OutcomeKind, work: _Work, reason: str | None = None,
+        result: InferenceResult | None = None,
+    ) -> Outcome:
+        request = work.request
+        top = result.outputs["top_k"][0] if result is not None else None
+        return Outcome(
+            kind=kind,
+            device_id=request.device_id if request else None,
+            request_id=request.request_id if request else None,
+            seq=request.seq if request else None,
+            model=request.model if request else None,
+            reason=reason,
+            label=top["label"] if top else None,
+            score=top["score"] if top else None,
+            e2e_ms=result.e2e_ms if result else None,
+            queue_ms=result.queue_ms if result else None,
+            infer_ms=result.infer_ms if result else None,
+            attempt=work.attempt,
+            ts=time.time(),
+            partition=work.source.partition,
+            event=work.source.event,
+            batch_size=result.batch_size if result else None,
+        )
+
+    def _result(
+        self, work: _Work, item: _ItemResult, batch: BatchInfo | None
+    ) -> tuple[str, bytes | None, bytes, Outcome]:
+        request, model = work.request, work.model
         assert request is not None and model is not None and batch is not None
-        outputs, infer_ms = completion.result
+        assert item.outputs is not None
         now = time.time()
         result = InferenceResult(
             request_id=request.request_id,
@@ -228,65 +389,96 @@ class InferencePipeline:
             seq=request.seq,
             model=request.model,
             engine=model.info.tag,
-            outputs=outputs,
-            attempt=0,
+            outputs=item.outputs,
+            attempt=work.attempt,
             queue_ms=round((batch.started_at - work.source.received_at) * 1000.0, 3),
-            infer_ms=round(infer_ms, 3),
+            infer_ms=round(item.infer_ms, 3),
             e2e_ms=round((now - request.ts) * 1000.0, 3),
             batch_id=f"{self.worker}/{batch.batch_id}",
             batch_size=batch.size,
             worker=self.worker,
             ts=now,
         )
-        return encode_result(result.to_dict(), self.settings.result_codec)
+        self.stats.results += 1
+        value = encode_result(result.to_dict(), self.settings.result_codec)
+        return (
+            self.settings.result_topic, request.device_id.encode(), value,
+            self._outcome("result", work, result=result),
+        )
 
-    def _dead_letter_value(self, completion: Completion[_Work]) -> bytes:
-        work = completion.item
-        error = completion.error
-        assert error is not None
-        if isinstance(error, InvalidRequestError):
-            reason, stage = error.reason, "decode" if work.request is None else "validate"
-        elif isinstance(error, EngineError):
-            reason, stage = "inference_failed", "inference"
-        else:
-            reason, stage = "internal_error", "inference"
-            log.error(
-                "internal error on %s[%d]@%d:\n%s",
-                work.source.topic, work.source.partition, work.source.offset,
-                "".join(traceback.format_exception(error)),
-            )
-        if isinstance(error, StreamAppError | EngineError) and not isinstance(
-            error, InvalidRequestError
-        ):
-            detail = getattr(error, "reason", "")
-        else:
-            detail = ""
+    def _retry(
+        self, work: _Work, error: BaseException
+    ) -> tuple[str, bytes | None, bytes, Outcome]:
+        request = work.request
+        assert request is not None
+        previous = work.source.retry
+        errors = [*(previous.errors if previous else []), self._error_entry(work, error)]
+        attempt = work.attempt + 1
+        if attempt > self.settings.max_retries:
+            return self._dead_letter(work, error, errors=errors, reason="retries_exhausted")
+        record = RetryRecord(
+            request_id=request.request_id,
+            device_id=request.device_id,
+            model=request.model,
+            attempt=attempt,
+            not_before=time.time() + backoff_s(
+                attempt,
+                base_ms=self.settings.retry_backoff_base_ms,
+                max_ms=self.settings.retry_backoff_max_ms,
+                jitter=self.settings.retry_jitter,
+            ),
+            errors=errors,
+            first_failed_ts=previous.first_failed_ts if previous else errors[0]["ts"],
+            source=previous.source if previous else self._source(work.source),
+            key=previous.key if previous else work.source.key,
+            value=previous.value if previous else (work.source.value or b""),
+        )
+        reason = errors[-1]["reason"]
+        self.stats.retries += 1
+        log.info(
+            "retrying %s (attempt %d of %d) after %s",
+            request.request_id, attempt, self.settings.max_retries, reason,
+        )
+        return (
+            self.settings.retry_topic, request.request_id.encode(), record.encode(),
+            self._outcome("retry", work, reason=reason),
+        )
+
+    @staticmethod
+    def _source(source: SourceMessage) -> dict[str, Any]:
+        return {"topic": source.topic, "partition": source.partition, "offset": source.offset}
+
+    def _dead_letter(
+        self, work: _Work, error: BaseException, errors: list[dict[str, Any]] | None = None,
+        reason: str | None = None,
+    ) -> tuple[str, bytes | None, bytes, Outcome]:
+        own_reason, stage = self._reason(work, error)
+        reason = reason or own_reason
+        previous = work.source.retry
+        if errors is None:
+            errors = [*(previous.errors if previous else []), self._error_entry(work, error)]
         self.stats.dead_letters[reason] = self.stats.dead_letters.get(reason, 0) + 1
         now = time.time()
+        source = work.source
         log.warning(
             "dead letter %s from %s[%d]@%d: %s",
-            reason, work.source.topic, work.source.partition, work.source.offset, error,
+            reason, source.topic, source.partition, source.offset, error,
         )
         letter = DeadLetter(
-            value=work.source.value or b"",
-            key=work.source.key,
-            error={
-                "reason": reason,
-                "type": type(error).__name__,
-                "message": str(error),
-                "stage": stage,
-                **({"detail": detail} if detail else {}),
-            },
-            attempts=1,
-            first_failed_ts=now,
+            value=previous.value if previous else (source.value or b""),
+            key=previous.key if previous else source.key,
+            error={"reason": reason, "type": type(error).__name__, "message": str(error),
+                   "stage": stage},
+            attempts=len(errors),
+            first_failed_ts=previous.first_failed_ts if previous else now,
             last_failed_ts=now,
-            source={
-                "topic": work.source.topic,
-                "partition": work.source.partition,
-                "offset": work.source.offset,
-            },
+            source=previous.source if previous else self._source(source),
             request_id=work.request.request_id if work.request else None,
             device_id=work.request.device_id if work.request else None,
             worker=self.worker,
+            errors=errors,
         )
-        return encode_dead_letter(letter)
+        return (
+            self.settings.dlq_topic, letter.key, encode_dead_letter(letter),
+            self._outcome("dead_letter", work, reason=reason),
+        )

@@ -1,27 +1,184 @@
 """The model repository: a folder per model with ``model.onnx`` and ``metadata.json``.
 
 The metadata says how a request becomes an engine input (allowed dtypes, item shape, scale and
-offset) and how engine outputs become a result (labels, top-k). The bundled repository holds the
-``digits`` model trained by ``scripts/train_digits.py``.
+offset, whether NaN/Inf are allowed, how an ``image`` is decoded) and how engine outputs become a
+result (labels, top-k). The bundled repository holds the ``digits`` model trained by
+``scripts/train_digits.py``.
 """
 
 from __future__ import annotations
 
+import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from PIL import Image
 
 from streamapp.codecs import tensor_to_array
 from streamapp.exceptions import ConfigError, InvalidRequestError, ModelNotFoundError
 from streamapp.records import InferenceRequest
 
-__all__ = ["BUNDLED_MODELS_DIR", "ModelConfig", "ModelRepository"]
+__all__ = [
+    "BUNDLED_MODELS_DIR",
+    "DEFAULT_IMAGE_FORMATS",
+    "DEFAULT_MAX_IMAGE_PIXELS",
+    "ImageConfig",
+    "ModelConfig",
+    "ModelRepository",
+]
 
 #: The models shipped inside the package.
 BUNDLED_MODELS_DIR = Path(__file__).resolve().parent
+
+#: Largest image (width × height, from its header) decoded when a model's metadata sets no
+#: ``max_pixels``: 2048 × 2048. Pillow's own ``Image.MAX_IMAGE_PIXELS`` (decompression-bomb
+#: guard, about 89 M pixels) applies as well, whichever is smaller.
+DEFAULT_MAX_IMAGE_PIXELS = 2048 * 2048
+
+#: Image formats a model accepts unless its metadata says otherwise. Restricting Pillow to these
+#: keeps its many other decoders (some of which run external programs, e.g. EPS → Ghostscript)
+#: away from untrusted bytes.
+DEFAULT_IMAGE_FORMATS = ("PNG", "JPEG")
+
+
+@dataclass(frozen=True)
+class ImageConfig:
+    """How a request's ``image`` (PNG/JPEG bytes) becomes a request-shaped array.
+
+    Read from the ``image`` object of ``metadata.json``; for ``digits``::
+
+        {"mode": "L", "size": [8, 8], "scale": 0.0627451, "resample": "box"}
+
+    The image is converted to ``mode``, resized to ``size`` with ``resample``, and each pixel
+    ``p`` becomes ``p * scale + offset`` — the units of a request tensor (0..16 for digits: a
+    white pixel is 16, full ink). The model's normal pre-processing follows.
+
+    Attributes:
+        mode: Pillow mode, e.g. ``"L"`` (8-bit grayscale) or ``"RGB"``.
+        size: ``(width, height)`` in pixels after resizing.
+        scale / offset: Pixel (0..255) → request units.
+        resample: Pillow filter name: ``"box"`` (area average; for digits it matches how the
+            8×8 data set was made, counting ink in 4×4 blocks of 32×32 bitmaps), ``"bilinear"``,
+            ``"bicubic"``, ``"lanczos"``, ``"nearest"``, ``"hamming"``.
+        formats: Pillow format names accepted, e.g. ``("PNG", "JPEG")``.
+        max_pixels: Largest width × height accepted, checked from the header before decoding.
+    """
+
+    mode: str
+    size: tuple[int, int]
+    scale: float = 1.0
+    offset: float = 0.0
+    resample: str = "box"
+    formats: tuple[str, ...] = DEFAULT_IMAGE_FORMATS
+    max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+
+    @classmethod
+    def from_metadata(cls, meta: dict[str, Any]) -> ImageConfig:
+        """Build from the metadata's ``image`` object.
+
+        Raises:
+            ValueError / KeyError / TypeError: A field is missing or invalid (the caller turns
+                it into :class:`ConfigError`).
+        """
+        width, height = (int(d) for d in meta["size"])
+        config = cls(
+            mode=str(meta["mode"]),
+            size=(width, height),
+            scale=float(meta.get("scale", 1.0)),
+            offset=float(meta.get("offset", 0.0)),
+            resample=str(meta.get("resample", "box")),
+            formats=tuple(str(f).upper() for f in meta.get("formats", DEFAULT_IMAGE_FORMATS)),
+            max_pixels=int(meta.get("max_pixels", DEFAULT_MAX_IMAGE_PIXELS)),
+        )
+        if width < 1 or height < 1 or config.max_pixels < width * height:
+            raise ValueError(
+                f"image size {[width, height]} / max_pixels {config.max_pixels}: the size must be "
+                "positive and width × height at most max_pixels"
+            )
+        Image.Resampling[config.resample.upper()]  # KeyError names a bad filter
+        Image.getmodebands(config.mode)  # KeyError names a bad mode
+        if not config.formats:
+            raise ValueError("image formats is empty")
+        return config
+
+    @property
+    def array_shape(self) -> tuple[int, ...]:
+        """Shape of the decoded array: ``(height, width)``, or ``(height, width, bands)``."""
+        width, height = self.size
+        bands = Image.getmodebands(self.mode)
+        return (height, width) if bands == 1 else (height, width, bands)
+
+    def to_array(self, data: bytes) -> np.ndarray:
+        """Decode, convert, resize and scale one image.
+
+        The pixel count is read from the image header and checked before any pixel is decoded,
+        so a small file that claims a huge image (a decompression bomb) costs nothing.
+
+        Args:
+            data: PNG or JPEG bytes (any format in :attr:`formats`), untrusted.
+
+        Returns:
+            ``float32[*array_shape]`` in request units (pixel × scale + offset), e.g.
+            ``float32[8, 8]`` with values 0..16 for digits.
+
+        Raises:
+            InvalidRequestError: ``too_large`` (more than :attr:`max_pixels` or Pillow's
+                ``Image.MAX_IMAGE_PIXELS``) or ``undecodable_image``.
+        """
+        limit = self.max_pixels
+        if Image.MAX_IMAGE_PIXELS:
+            limit = min(limit, int(Image.MAX_IMAGE_PIXELS))
+        accepted = " or ".join(self.formats)
+        try:
+            # Image.open reads only the header (lazy); pixels are decoded by load().
+            with Image.open(io.BytesIO(data), formats=list(self.formats)) as image:
+                width, height = image.size
+                if width * height > limit:
+                    raise InvalidRequestError(
+                        "too_large",
+                        f"the image is {width}×{height} = {width * height} pixels, more than the "
+                        f"{limit} this model accepts; send it resized to {self.size[0]}×"
+                        f"{self.size[1]}",
+                    )
+                if image.format == "JPEG":
+                    image.draft(self.mode, self.size)  # let libjpeg decode at a reduced scale
+                image.load()
+                converted = image.convert(self.mode)
+                if converted.size != self.size:
+                    converted = converted.resize(
+                        self.size, Image.Resampling[self.resample.upper()]
+                    )
+                array = np.asarray(converted, dtype=np.float32)
+        except InvalidRequestError:
+            raise
+        # Pillow's own guard: an error above 2 × MAX_IMAGE_PIXELS, a warning (an error under
+        # "-W error") above MAX_IMAGE_PIXELS.
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+            raise InvalidRequestError(
+                "too_large", f"the image has too many pixels: {exc}"
+            ) from exc
+        # Pillow's decoders raise many unrelated types on hostile bytes (OSError, SyntaxError,
+        # ValueError, struct.error, EOFError, ...); none of them may escape as a worker crash.
+        except Exception as exc:
+            message = str(exc).split(" <_io.BytesIO", 1)[0]
+            raise InvalidRequestError(
+                "undecodable_image",
+                f"the image cannot be decoded as {accepted}: {type(exc).__name__}: {message}",
+            ) from exc
+        if array.shape != self.array_shape:  # e.g. a mode Pillow converted differently
+            raise InvalidRequestError(
+                "undecodable_image",
+                f"the image decoded to shape {list(array.shape)}, expected "
+                f"{list(self.array_shape)}",
+            )
+        if self.scale != 1.0:
+            array *= np.float32(self.scale)
+        if self.offset != 0.0:
+            array += np.float32(self.offset)
+        return array
 
 
 @dataclass(frozen=True)
@@ -38,6 +195,10 @@ class ModelConfig:
         request_dtypes: dtypes a request tensor may have.
         scale / offset: Pre-processing ``x.astype(input_dtype) * scale + offset``.
         metadata: The whole metadata document.
+        allow_non_finite: Whether NaN/±Inf may reach the engine (metadata
+            ``request.allow_non_finite``, default false).
+        image: How an ``image`` input is decoded (metadata ``image``), or None when the model
+            takes tensors only.
     """
 
     name: str
@@ -53,6 +214,8 @@ class ModelConfig:
     scale: float
     offset: float
     metadata: dict[str, Any]
+    allow_non_finite: bool = False
+    image: ImageConfig | None = None
 
     @classmethod
     def from_dir(cls, directory: Path) -> ModelConfig:
@@ -64,7 +227,8 @@ class ModelConfig:
         meta_path = directory / "metadata.json"
         try:
             meta = json.loads(meta_path.read_text())
-            return cls(
+            image = ImageConfig.from_metadata(meta["image"]) if "image" in meta else None
+            config = cls(
                 name=meta["name"],
                 version=str(meta.get("version", "1")),
                 path=directory / meta.get("file", "model.onnx"),
@@ -78,11 +242,20 @@ class ModelConfig:
                 scale=float(meta["preprocessing"].get("scale", 1.0)),
                 offset=float(meta["preprocessing"].get("offset", 0.0)),
                 metadata=meta,
+                allow_non_finite=_strict_bool(meta["request"].get("allow_non_finite", False)),
+                image=image,
             )
         except FileNotFoundError as exc:
             raise ConfigError(f"model folder {directory} has no metadata.json") from exc
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"{meta_path} is invalid: missing or bad field {exc}") from exc
+        if image is not None and image.array_shape != config.request_shape:
+            raise ConfigError(
+                f"{meta_path} is invalid: image mode {image.mode!r} and size {list(image.size)} "
+                f"give arrays of shape {list(image.array_shape)}, but request.shape is "
+                f"{list(config.request_shape)}"
+            )
+        return config
 
     @property
     def item_shape(self) -> tuple[int, ...]:
@@ -90,7 +263,10 @@ class ModelConfig:
         return self.input_shape[1:]
 
     def preprocess(self, request: InferenceRequest) -> np.ndarray:
-        """Turn a request's tensor into one engine input item.
+        """Turn a request's tensor or image into one engine input item.
+
+        A tensor is used when the request has one, else the image (models with an ``image``
+        config only).
 
         Args:
             request: A decoded request for this model.
@@ -99,14 +275,19 @@ class ModelConfig:
             ``input_dtype[*item_shape]``, e.g. ``float32[1, 8, 8]`` = pixels × scale + offset.
 
         Raises:
-            InvalidRequestError: ``unsupported_input`` (no tensor), ``bad_dtype`` or ``bad_shape``.
+            InvalidRequestError: ``unsupported_input`` (an image for a tensor-only model),
+                ``bad_dtype``, ``bad_shape``, ``non_finite`` (NaN/Inf given, or produced by the
+                conversion, where the model forbids them), ``undecodable_image`` or
+                ``too_large`` (image pixels).
         """
         tensor = request.tensor
         if tensor is None:
-            raise InvalidRequestError(
-                "unsupported_input",
-                f"model {self.name!r} takes a tensor {list(self.request_shape)}, not an image",
-            )
+            if self.image is None or request.image is None:
+                raise InvalidRequestError(
+                    "unsupported_input",
+                    f"model {self.name!r} takes a tensor {list(self.request_shape)}, not an image",
+                )
+            return self._to_input(self.image.to_array(request.image))
         if tensor.dtype not in self.request_dtypes:
             raise InvalidRequestError(
                 "bad_dtype",
@@ -119,17 +300,49 @@ class ModelConfig:
                 f"model {self.name!r} expects a tensor of shape {list(self.request_shape)}, "
                 f"got {list(tensor.shape)}",
             )
-        array = tensor_to_array(tensor).astype(self.input_dtype)
-        if self.scale != 1.0:
-            array *= self.input_dtype.type(self.scale)
-        if self.offset != 0.0:
-            array += self.input_dtype.type(self.offset)
+        raw = tensor_to_array(tensor)
+        if not self.allow_non_finite and raw.dtype.kind == "f":
+            bad = np.size(raw) - int(np.count_nonzero(np.isfinite(raw)))
+            if bad:
+                first = tuple(int(i) for i in np.argwhere(~np.isfinite(raw))[0])
+                raise InvalidRequestError(
+                    "non_finite",
+                    f"the tensor holds {bad} NaN/infinite value(s) (first at index "
+                    f"{list(first)}: {raw[first]}); model {self.name!r} accepts finite values "
+                    "only",
+                )
+        return self._to_input(raw)
+
+    def _to_input(self, raw: np.ndarray) -> np.ndarray:
+        with np.errstate(over="ignore", invalid="ignore"):  # overflow is reported below
+            array = raw.astype(self.input_dtype)
+            if self.scale != 1.0:
+                array *= self.input_dtype.type(self.scale)
+            if self.offset != 0.0:
+                array += self.input_dtype.type(self.offset)
+        if (
+            not self.allow_non_finite
+            and array.dtype.kind == "f"
+            and not bool(np.isfinite(array).all())
+        ):
+            raise InvalidRequestError(
+                "non_finite",
+                f"the tensor's values overflow {self.input_dtype} after pre-processing "
+                f"(× {self.scale} + {self.offset}); model {self.name!r} accepts values within "
+                f"{self.metadata['request'].get('value_range', 'its value range')}",
+            )
         return array.reshape(self.item_shape)
 
     def top_k(self, probs: np.ndarray, k: int) -> list[dict[str, Any]]:
         """The ``k`` most likely labels of one item's probabilities ``float32[classes]``."""
         order = np.argsort(-probs, kind="stable")[:k]
         return [{"label": self.labels[i], "score": round(float(probs[i]), 6)} for i in order]
+
+
+def _strict_bool(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"allow_non_finite must be true or false, got {value!r}")
+    return value
 
 
 class ModelRepository:

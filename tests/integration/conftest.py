@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,13 +22,22 @@ def worker_settings(kafka_broker: EmbeddedBroker, app_id: str) -> Settings:
     )
     create_topics(
         kafka_broker.bootstrap_servers,
-        {t: 4 for t in (settings.request_topic, settings.result_topic, settings.dlq_topic)},
+        {t: 4 for t in settings.topics},
     )
     return settings
 
 
 @pytest.fixture
-def worker(worker_settings: Settings, tmp_path: Path) -> Iterator[WorkerProcess]:
+def worker_options() -> dict[str, Any]:
+    """Extra settings of the ``worker`` fixture; override with
+    ``@pytest.mark.parametrize("worker_options", [{...}])``."""
+    return {}
+
+
+@pytest.fixture
+def worker(
+    worker_settings: Settings, tmp_path: Path, worker_options: dict[str, Any]
+) -> Iterator[WorkerProcess]:
     """One running, ready worker (stopped with SIGTERM after the test)."""
     s = worker_settings
     proc = WorkerProcess(
@@ -35,6 +45,7 @@ def worker(worker_settings: Settings, tmp_path: Path) -> Iterator[WorkerProcess]
             "broker": s.broker, "app_id": s.app_id, "topic_prefix": s.topic_prefix,
             "topic_partitions": s.topic_partitions, "backend": s.backend,
             "data_dir": tmp_path / "data", "max_batch_size": 16, "max_batch_delay_ms": 5,
+            **worker_options,
         },
         log_path=tmp_path / "worker.log",
     )

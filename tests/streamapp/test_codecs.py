@@ -8,6 +8,7 @@ import json
 import time
 import tracemalloc
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any
 
 import msgpack
@@ -15,7 +16,10 @@ import numpy as np
 import pytest
 
 from streamapp.codecs import (
+    MAX_REQUEST_TS_AHEAD_S,
+    MIN_REQUEST_TS,
     REASONS,
+    check_key,
     decode_dead_letter,
     decode_request,
     decode_result,
@@ -447,14 +451,181 @@ def test_every_decode_reason_is_reachable() -> None:
         "bad_tensor": lambda: as_json(tensor_body(data="")),
         "bad_dtype": lambda: as_json(tensor_body(dtype="object")),
         "bad_shape": lambda: as_json(tensor_body(shape=[-8, -8])),
+        "bad_timestamp": lambda: as_json(json_body(ts=0)),
     }
     seen = {name: rejection(make()).reason for name, make in cases.items()}
 
     assert seen == {name: name for name in cases}
-    # The rest are decided after decoding: by the pipeline or the model.
+    # The rest are decided after decoding: by check_key, the pipeline or the model.
     assert set(REASONS) - set(cases) == {
+        "empty_key",
         "key_mismatch",
         "unknown_model",
         "unsupported_input",
+        "non_finite",
+        "undecodable_image",
+        "duplicate_request_id",
         "inference_failed",
+        "retries_exhausted",
+        "invalid_retry_record",
     }
+
+
+# -- huge numbers ----------------------------------------------------------------------------------
+
+
+def test_integer_literal_beyond_pythons_digit_limit_is_invalid_json() -> None:
+    value = b'{"request_id":"r","seq":' + b"9" * 5000 + b"}"
+
+    assert rejection(value).reason == "invalid_json"
+
+
+def test_huge_integer_ts_is_wrong_type() -> None:
+    value = as_json(json_body()).replace(b'"ts": 1700000000.5', b'"ts": ' + b"1" * 400)
+
+    error = rejection(value)
+
+    assert error.reason == "wrong_type"
+    assert "'ts'" in error.message and len(error.message) < 200
+
+
+@pytest.mark.parametrize("seq", [2**63, -(2**63) - 1, 10**30])
+def test_seq_outside_int64_is_wrong_type(seq: int) -> None:
+    error = rejection(as_json(json_body(seq=seq)))
+
+    assert error.reason == "wrong_type"
+    assert "'seq'" in error.message and "64-bit" in error.message
+
+
+@pytest.mark.parametrize("seq", [0, 2**63 - 1, -(2**63)])
+def test_seq_at_the_int64_bounds_is_accepted(seq: int) -> None:
+    request = decode_request(as_json(json_body(seq=seq)))
+
+    assert request.seq == seq
+    assert decode_result(encode_result({"seq": request.seq}, "msgpack")) == {"seq": seq}
+
+
+# -- extra-typed fields ----------------------------------------------------------------------------
+
+
+def msgpack_body(**changes: Any) -> bytes:
+    body = json_body(**changes)
+    if isinstance(body.get("tensor"), dict) and isinstance(body["tensor"].get("data"), str):
+        body["tensor"]["data"] = base64.b64decode(body["tensor"]["data"])
+    return msgpack.packb(body, use_bin_type=True)
+
+
+@pytest.mark.parametrize(
+    ("value", "named"),
+    [
+        (msgpack_body(tensor={"dtype": "uint8", "shape": "8,8", "data": bytes(64)}), "'shape'"),
+        (msgpack_body(tensor={"dtype": "uint8", "shape": {"h": 8}, "data": bytes(64)}), "'shape'"),
+        (msgpack_body(tensor={"dtype": b"uint8", "shape": [8, 8], "data": bytes(64)}), "'dtype'"),
+        (msgpack_body(tensor={"dtype": "uint8", "shape": [8, 8], "data": 64}), "'tensor.data'"),
+        (msgpack_body(tensor={"dtype": "uint8", "shape": [8, 8], "data": None}), "'tensor.data'"),
+        (msgpack_body(tensor=None, image=[1, 2, 3]), "'image'"),
+        (msgpack_body(tensor="AAAA"), "'tensor'"),
+        (as_json(tensor_body(shape={"0": 8})), "'shape'"),
+        (as_json(tensor_body(shape=8)), "'shape'"),
+        (as_json(tensor_body(data=None) | {"tensor": {"dtype": "uint8", "shape": [8, 8],
+                                                     "data": 7}}), "'tensor.data'"),
+        (as_json(json_body(tensor=None, image={"png": "AAAA"})), "'image'"),
+        (as_json(json_body(image=True)), "'image'"),
+    ],
+    ids=[
+        "mp-shape-string", "mp-shape-map", "mp-dtype-bytes", "mp-data-int", "mp-data-nil",
+        "mp-image-list", "mp-tensor-string", "json-shape-object", "json-shape-int",
+        "json-data-int", "json-image-object", "json-image-bool",
+    ],
+)
+def test_optional_fields_of_the_wrong_type(value: bytes, named: str) -> None:
+    error = rejection(value)
+
+    assert error.reason == "wrong_type"
+    assert named in error.message
+
+
+# -- timestamps ------------------------------------------------------------------------------------
+
+NOW = 1_800_000_000.0
+
+
+@pytest.mark.parametrize(
+    ("ts", "named"),
+    [
+        (0, "before 2001-01-01"),
+        (-5.0, "before 2001-01-01"),
+        (MIN_REQUEST_TS - 0.001, "before 2001-01-01"),
+        (NOW + MAX_REQUEST_TS_AHEAD_S + 1, "ahead of the worker's clock"),
+        (NOW * 1000, "milliseconds"),
+    ],
+    ids=["zero", "negative", "just-before-2001", "two-days-ahead", "milliseconds"],
+)
+@pytest.mark.parametrize("codec", CODECS)
+def test_bad_timestamp(ts: float, named: str, codec: str) -> None:
+    value = as_json(json_body(ts=ts)) if codec == "json" else msgpack_body(ts=ts)
+
+    error = rejection(value, now=NOW)
+
+    assert error.reason == "bad_timestamp"
+    assert "'ts'" in error.message and named in error.message
+
+
+@pytest.mark.parametrize("ts", [MIN_REQUEST_TS, 1.0e9, NOW - 86_400 * 365 * 20, NOW,
+                                NOW + MAX_REQUEST_TS_AHEAD_S])
+def test_timestamps_within_the_bounds_are_accepted(ts: float) -> None:
+    assert decode_request(as_json(json_body(ts=ts)), now=NOW).ts == ts
+
+
+def test_timestamp_bounds_are_2001_and_one_day() -> None:
+    assert datetime.fromtimestamp(MIN_REQUEST_TS, UTC) == datetime(2001, 1, 1, tzinfo=UTC)
+    assert MAX_REQUEST_TS_AHEAD_S == 24 * 3600
+
+
+def test_timestamp_ahead_is_judged_against_the_current_clock() -> None:
+    ahead = time.time() + 2 * MAX_REQUEST_TS_AHEAD_S
+
+    assert rejection(as_json(json_body(ts=ahead))).reason == "bad_timestamp"
+    assert decode_request(as_json(json_body(ts=time.time() + 60))).seq == 3
+
+
+def test_structure_is_checked_before_the_timestamp() -> None:
+    assert rejection(as_json(tensor_body(dtype="object") | {"ts": 0})).reason == "bad_dtype"
+
+
+# -- record keys -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key", [None, b""], ids=["null", "empty"])
+def test_empty_key(key: bytes | None) -> None:
+    request = make_request(np.ones((8, 8), dtype=np.uint8))
+
+    with pytest.raises(InvalidRequestError) as info:
+        check_key(key, request)
+
+    assert info.value.reason == "empty_key"
+    assert "'dev-7'" in info.value.message
+
+
+@pytest.mark.parametrize(
+    "key",
+    [b"dev-8", b"DEV-7", b"dev-7 ", b"\"dev-7\"", b"dev-7\x00", b"\xff" * 1000],
+    ids=["other", "case", "space", "json-quoted", "nul", "binary-long"],
+)
+def test_key_mismatch(key: bytes) -> None:
+    request = make_request(np.ones((8, 8), dtype=np.uint8))
+
+    with pytest.raises(InvalidRequestError) as info:
+        check_key(key, request)
+
+    assert info.value.reason == "key_mismatch"
+    assert "'dev-7'" in info.value.message
+    assert len(info.value.message) < 400  # a long key is shortened
+
+
+def test_key_is_compared_as_utf8_bytes() -> None:
+    request = InferenceRequest("r", "kamera-ö", 0, 1.7e9, "digits", image=b"x")
+
+    check_key("kamera-ö".encode(), request)  # passes
+    with pytest.raises(InvalidRequestError, match="not the request"):
+        check_key("kamera-ö".encode("latin-1"), request)

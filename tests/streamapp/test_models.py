@@ -122,9 +122,20 @@ def test_wrong_shape(digits: ModelConfig, first_image: np.ndarray) -> None:
     assert "[64]" in info.value.message and "[8, 8]" in info.value.message
 
 
-def test_image_only_request_is_unsupported(digits: ModelConfig) -> None:
+def _tensor_only_model(tmp_path: Path) -> ModelConfig:
+    meta = json.loads((BUNDLED_MODELS_DIR / "digits" / "metadata.json").read_text())
+    del meta["image"]
+    (tmp_path / "tensors").mkdir()
+    (tmp_path / "tensors" / "metadata.json").write_text(json.dumps(meta))
+    return ModelRepository(tmp_path).get("tensors")
+
+
+def test_image_for_a_tensor_only_model_is_unsupported(tmp_path: Path) -> None:
+    model = _tensor_only_model(tmp_path)
+    assert model.image is None
+
     with pytest.raises(InvalidRequestError) as info:
-        digits.preprocess(request_for(image=b"\x89PNG\r\n\x1a\n"))
+        model.preprocess(request_for(image=b"\x89PNG\r\n\x1a\n"))
 
     assert info.value.reason == "unsupported_input"
     assert "tensor" in info.value.message

@@ -23,6 +23,7 @@ import pytest
 from sklearn.datasets import load_digits
 
 from engines.base import Engine
+from engines.exceptions import EngineRuntimeError, InputSpecError
 from engines.executor import Item, ThreadExecutor
 from engines.registry import load_engine
 from engines.testing import FakeEngine
@@ -30,6 +31,7 @@ from streamapp.agents.pipeline import InferencePipeline, LoadedModel, SourceMess
 from streamapp.codecs import REASONS, decode_dead_letter, decode_result, encode_request
 from streamapp.models import ModelConfig, ModelRepository
 from streamapp.records import DeadLetter, InferenceRequest, TensorPayload
+from streamapp.retry import MemoryRetryStore, RetryRecord
 from streamapp.settings import Settings
 
 REQUEST_TOPIC = "inference-request"
@@ -161,7 +163,9 @@ async def start_pipeline(digits_config: ModelConfig) -> AsyncIterator[StartPipel
     ``digits`` on ``executor``; stopped and the executor closed after the test."""
     started: list[tuple[InferencePipeline, ThreadExecutor]] = []
 
-    async def start(executor: ThreadExecutor, sink: FakeSink, **settings: Any) -> InferencePipeline:
+    async def start(
+        executor: ThreadExecutor, sink: FakeSink, *, retry_store: Any = None, **settings: Any
+    ) -> InferencePipeline:
         options: dict[str, Any] = {
             "max_batch_size": 4,
             "max_batch_delay_ms": 5.0,
@@ -175,6 +179,7 @@ async def start_pipeline(digits_config: ModelConfig) -> AsyncIterator[StartPipel
             {"digits": LoadedModel(digits_config, executor)},
             sink,
             worker=WORKER,
+            retry_store=retry_store,
         )
         await pipeline.start()
         started.append((pipeline, executor))
@@ -371,14 +376,14 @@ BAD_CASES = {
     "wrong-shape": BadCase(
         lambda px: request_value(px.ravel(), "dev-a", 5), b"dev-a", "bad_shape", "validate", True
     ),
-    "image-only": BadCase(
-        lambda px: _image_only(), b"dev-a", "unsupported_input", "validate", True
+    "image-only": BadCase(  # digits takes PNG/JPEG images; b"\x89PNG" is not one
+        lambda px: _image_only(), b"dev-a", "undecodable_image", "validate", True
     ),
     "key-not-device": BadCase(
         lambda px: request_value(px, "dev-a", 5), b"dev-b", "key_mismatch", "validate", True
     ),
     "no-key": BadCase(
-        lambda px: request_value(px, "dev-a", 5), None, "key_mismatch", "validate", True
+        lambda px: request_value(px, "dev-a", 5), None, "empty_key", "validate", True
     ),
 }
 
@@ -527,55 +532,167 @@ async def test_device_order_kept_when_batches_finish_out_of_order(
     assert [s.key for s in sink.sent] == [b"dev-a", b"dev-b", b"dev-a", b"dev-b"]
 
 
-# -- engine failure ------------------------------------------------------------------------------
+# -- engine failures: bisection, retries, dead letters --------------------------------------------
 
 
-async def test_engine_failure_dead_letters_that_batch_only(
+POISON = np.float32(15.5)  # real digit pixels are integers 0..16, so 15.5 marks a test item
+
+
+def poison_pixels(images: np.ndarray, i: int) -> np.ndarray:
+    pixels = images[i].astype(np.float32)
+    pixels[0, 0] = POISON
+    return pixels
+
+
+def is_poison(item: np.ndarray) -> bool:
+    return bool(item.flat[0] == POISON / 16)
+
+
+async def test_a_transiently_failed_batch_is_bisected_and_every_request_answered(
     start_pipeline: StartPipeline, images: np.ndarray
 ) -> None:
     engine = FakeEngine(fail_batches=1)
     sink, source = FakeSink(), Source()
     pipeline = await start_pipeline(
-        ThreadExecutor(engine, max_inflight=1),
-        sink,
-        max_batch_size=2,
+        ThreadExecutor(engine, max_inflight=1), sink, max_batch_size=4,
         max_batch_delay_ms=60_000.0,
     )
-    read = [("dev-a", 0, 10), ("dev-b", 0, 11), ("dev-a", 1, 12), ("dev-b", 1, 13)]
-    messages = [good(source, images[i], d, s) for d, s, i in read]
-    for message in messages:
-        await pipeline.handle(message)
-
+    for seq in range(4):
+        await pipeline.handle(good(source, images[seq], "dev-a", seq))
     await wait_for(lambda: len(source.acked) == 4)
 
-    assert [s.topic for s in sink.sent] == ["inference-dlq"] * 2 + ["inference-result"] * 2
+    assert [r["seq"] for r in results_of(sink, pipeline)] == [0, 1, 2, 3]
+    assert dead_letters_of(sink, pipeline) == []
+    assert engine.batch_sizes == [4, 2, 2]  # the failed batch, then its halves
+    assert pipeline.stats.bisections == 1
+
+
+async def test_one_poison_request_in_a_batch_of_64_fails_alone(
+    start_pipeline: StartPipeline, images: np.ndarray
+) -> None:
+    def fail_on(item: np.ndarray) -> Any:
+        return InputSpecError("poison item") if is_poison(item) else None
+
+    engine = FakeEngine(fail_on=fail_on)
+    sink, source = FakeSink(), Source()
+    pipeline = await start_pipeline(
+        ThreadExecutor(engine, max_inflight=1), sink, max_batch_size=64,
+        max_batch_delay_ms=60_000.0,
+    )
+    for seq in range(64):
+        pixels = poison_pixels(images, seq) if seq == 37 else images[seq]
+        await pipeline.handle(good(source, pixels, f"dev-{seq % 8}", seq))
+    await wait_for(lambda: len(source.acked) == 64)
+
+    results = results_of(sink, pipeline)
     letters = dead_letters_of(sink, pipeline)
-    for letter, message, (device, seq, _) in zip(letters, messages[:2], read[:2], strict=True):
-        assert letter.error["reason"] == "inference_failed" and "inference_failed" in REASONS
-        assert letter.error["stage"] == "inference"
-        assert letter.error["type"] == "EngineRuntimeError"
-        assert letter.error["detail"] == "engine_runtime_error"
-        assert "injected failure" in letter.error["message"]
-        assert letter.value == message.value and letter.key == device.encode()
-        assert letter.request_id == f"{device}-{seq}" and letter.device_id == device
-        assert letter.source == {
-            "topic": REQUEST_TOPIC,
-            "partition": PARTITION,
-            "offset": message.offset,
-        }
-    results = results_of(sink, pipeline)
-    assert [(r["device_id"], r["seq"]) for r in results] == [("dev-a", 1), ("dev-b", 1)]
-    assert pipeline.stats.dead_letters == {"inference_failed": 2}
+    assert len(results) == 63 and 37 not in {r["seq"] for r in results}
+    assert [(d.request_id, d.error["reason"], d.attempts) for d in letters] == [
+        ("dev-5-37", "inference_failed", 1)
+    ]
+    assert engine.batch_sizes[0] == 64
+    assert len(engine.batch_sizes) <= 1 + 2 * 6  # bisection: two halves per level, log2(64)
 
-    # Later batches are fine too.
-    for seq, i in ((2, 14), (3, 15)):
-        await pipeline.handle(good(source, images[i], "dev-a", seq))
-    await wait_for(lambda: len(source.acked) == 6)
 
-    results = results_of(sink, pipeline)
-    assert [(r["device_id"], r["seq"]) for r in results][2:] == [("dev-a", 2), ("dev-a", 3)]
-    for r, i in zip(results[2:], (14, 15), strict=True):
-        x = (images[i].astype(np.float32) / 16).reshape(1, 1, 8, 8)
-        assert r["outputs"]["top_k"][0]["label"] == top_label(engine.predict({"input": x})["probs"])
-    assert engine.batch_sizes == [2, 2, 2]
-    assert pipeline.stats.results == 4
+class FlakyOn:
+    """Fails poison items with a retriable error the first ``times`` times each is seen."""
+
+    def __init__(self, times: int) -> None:
+        self.times = times
+        self.seen = 0
+
+    def __call__(self, item: np.ndarray) -> Any:
+        if not is_poison(item):
+            return None
+        self.seen += 1
+        return EngineRuntimeError("flaky") if self.seen <= self.times else None
+
+
+def retry_records(sink: FakeSink, pipeline: InferencePipeline) -> list[RetryRecord]:
+    return [RetryRecord.decode(s.value) for s in sink.sent
+            if s.topic == pipeline.settings.retry_topic]
+
+
+async def feed_retry(
+    pipeline: InferencePipeline, source: Source, store: MemoryRetryStore, record: RetryRecord
+) -> None:
+    """What the retry agent does with a record of the retry topic once it is due."""
+    store.record_attempt(record, None)
+    message = source.message(record.value, record.key)
+    message.retry = record
+    await pipeline.handle(message)
+
+
+async def test_a_request_failing_twice_then_succeeding_gets_one_result_with_attempt_2(
+    start_pipeline: StartPipeline, images: np.ndarray
+) -> None:
+    flaky = FlakyOn(times=2)
+    engine = FakeEngine(fail_on=flaky)
+    sink, source, store = FakeSink(), Source(), MemoryRetryStore()
+    pipeline = await start_pipeline(
+        ThreadExecutor(engine, max_inflight=1), sink, max_batch_size=1, max_retries=3,
+        retry_store=store,
+    )
+    original = good(source, poison_pixels(images, 3), "dev-a", 0)
+    await pipeline.handle(original)
+    for attempt in (1, 2):
+        await wait_for(lambda a=attempt: len(retry_records(sink, pipeline)) == a)
+        record = retry_records(sink, pipeline)[-1]
+        assert record.attempt == attempt and len(record.errors) == attempt
+        assert record.value == original.value and record.key == b"dev-a"
+        assert record.source["offset"] == original.offset
+        assert record.not_before > record.errors[-1]["ts"]  # a backoff was applied
+        await feed_retry(pipeline, source, store, record)
+        assert store.rows["dev-a-0"]["attempts"] == attempt
+    await wait_for(lambda: len(results_of(sink, pipeline)) == 1)
+
+    (result,) = results_of(sink, pipeline)
+    assert (result["request_id"], result["attempt"]) == ("dev-a-0", 2)
+    assert dead_letters_of(sink, pipeline) == []
+    assert store.rows == {}  # the counter row is removed when the request finishes
+    retry_keys = [s.key for s in sink.sent if s.topic == pipeline.settings.retry_topic]
+    assert retry_keys == [b"dev-a-0", b"dev-a-0"]  # keyed by request_id
+
+
+async def test_a_request_failing_always_ends_in_one_dead_letter_with_every_attempt(
+    start_pipeline: StartPipeline, images: np.ndarray
+) -> None:
+    engine = FakeEngine(fail_on=FlakyOn(times=1_000))
+    sink, source, store = FakeSink(), Source(), MemoryRetryStore()
+    pipeline = await start_pipeline(
+        ThreadExecutor(engine, max_inflight=1), sink, max_batch_size=1, max_retries=2,
+        retry_store=store,
+    )
+    original = good(source, poison_pixels(images, 3), "dev-a", 0)
+    await pipeline.handle(original)
+    for attempt in (1, 2):
+        await wait_for(lambda a=attempt: len(retry_records(sink, pipeline)) == a)
+        await feed_retry(pipeline, source, store, retry_records(sink, pipeline)[-1])
+    await wait_for(lambda: len(dead_letters_of(sink, pipeline)) == 1)
+
+    (letter,) = dead_letters_of(sink, pipeline)
+    assert letter.error["reason"] == "retries_exhausted"
+    assert letter.attempts == 3  # max_retries + 1
+    assert [e["attempt"] for e in letter.errors] == [0, 1, 2]
+    assert {e["reason"] for e in letter.errors} == {"engine_runtime_error"}
+    assert letter.value == original.value and letter.source["offset"] == original.offset
+    assert results_of(sink, pipeline) == []
+    assert store.rows == {}
+
+
+async def test_a_duplicated_request_id_in_one_batch_is_answered_once(
+    start_pipeline: StartPipeline, onnx_engine: Engine, images: np.ndarray
+) -> None:
+    sink, source = FakeSink(), Source()
+    pipeline = await start_pipeline(
+        ThreadExecutor(onnx_engine), sink, max_batch_size=3, max_batch_delay_ms=60_000.0
+    )
+    await pipeline.handle(good(source, images[0], "dev-a", 0))
+    await pipeline.handle(good(source, images[0], "dev-a", 0))  # same request_id
+    await pipeline.handle(good(source, images[1], "dev-a", 1))
+    await wait_for(lambda: len(source.acked) == 3)
+
+    assert [r["request_id"] for r in results_of(sink, pipeline)] == ["dev-a-0", "dev-a-1"]
+    (letter,) = dead_letters_of(sink, pipeline)
+    assert (letter.request_id, letter.error["reason"]) == ("dev-a-0", "duplicate_request_id")
+    assert letter.source["offset"] == 101

@@ -1,0 +1,334 @@
+"""Prometheus metrics of one worker (``GET /metrics``), named after Triton's where they match.
+
+Every worker (every app) has its own :class:`prometheus_client.CollectorRegistry`, so several
+apps in one process (tests) never share counters. :class:`Metrics` is a
+:class:`~streamapp.agents.observer.PipelineObserver`: counters and histograms are updated from
+outcomes and batches as they happen; gauges (in-flight batches, consumer lag, readiness, GPUs)
+are read when scraped.
+
+Consumer lag is ``high watermark - position`` per assigned request-topic partition, with the
+high watermark the consumer learnt from its last *fetch response*: on the embedded broker
+(Tansu) a ListOffsets answer is wrong after multi-record batches (``shared/BROKER.md``), while
+the fetch high watermark is right, and on Apache Kafka both agree.
+
+GPU gauges come from NVML (the ``nvidia-ml-py`` package, module ``pynvml``) when it imports and
+initialises; without it they are simply absent.
+
+The README's *Metrics* table lists every family (a test keeps it in sync with
+:data:`METRIC_FAMILIES`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.registry import Collector
+
+from streamapp.agents.observer import Outcome
+from streamapp.batching import BatchInfo
+
+__all__ = ["CONTENT_TYPE_LATEST", "METRIC_FAMILIES", "GpuMonitor", "Metrics", "WorkerGauges"]
+
+log = logging.getLogger(__name__)
+
+#: Latency buckets (seconds): 0.5 ms … 10 s, roughly x2 apart.
+LATENCY_BUCKETS_S = (
+    0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0,
+)
+
+#: Every metric family we export (name as exposed, type, labels, help). Process and platform
+#: families of prometheus-client (``process_*``, ``python_info``) come on top.
+METRIC_FAMILIES: tuple[tuple[str, str, str, str], ...] = (
+    ("streamapp_requests_total", "counter", "model, outcome",
+     "Requests by outcome: `result`, `dead_letter` (both final) or `retry` (sent to the retry "
+     "topic). Final outcomes sum to the requests read (Triton: `nv_inference_request_success` "
+     "/ `_failure`)."),
+    ("streamapp_dead_letters_total", "counter", "model, reason",
+     "Dead letters by reason code."),
+    ("streamapp_retries_total", "counter", "model, reason",
+     "Requests sent to the retry topic, by reason code."),
+    ("streamapp_batches_total", "counter", "model, closed_by",
+     "Batches run, by why they closed: `size`, `delay` or `flush` (Triton: "
+     "`nv_inference_exec_count`)."),
+    ("streamapp_batch_size", "histogram", "model",
+     "Requests per batch (Triton: `nv_inference_count` / `exec_count`)."),
+    ("streamapp_latency_seconds", "histogram", "model, stage",
+     "Per-request latency of each answered request by stage: `queue` (read → its batch "
+     "started), `infer` (the batch's engine time), `e2e` (capture `ts` → result produced)."),
+    ("streamapp_inflight_batches", "gauge", "",
+     "Batches running on the engines now (at most `max_inflight_batches`)."),
+    ("streamapp_pending_requests", "gauge", "",
+     "Requests read but not yet answered (batching, running or waiting to be emitted)."),
+    ("streamapp_consumer_lag", "gauge", "topic, partition",
+     "Records in the partition the worker has not fetched yet: fetch high watermark − "
+     "position."),
+    ("streamapp_consumer_highwater", "gauge", "topic, partition",
+     "High watermark (next offset to be written) from the last fetch response."),
+    ("streamapp_assigned_partitions", "gauge", "topic",
+     "Partitions of the request topic assigned to this worker."),
+    ("streamapp_ready", "gauge", "",
+     "1 when `/ready` answers 200 (partitions assigned, engines warmed up, tables recovered)."),
+    ("streamapp_engine_info", "info", "model, backend, engine, device, precision, "
+     "max_batch_size", "The engine serving each model (value 1)."),
+    ("streamapp_table_flushes_total", "counter", "",
+     "Times the device tables were written (once per batch)."),
+    ("streamapp_table_rows_written_total", "counter", "",
+     "Table rows written (stats rows and window buckets)."),
+    ("streamapp_table_buckets_expired_total", "counter", "",
+     "Window buckets deleted because they expired."),
+    ("streamapp_gpu_utilization", "gauge", "gpu, name",
+     "GPU utilisation, 0–1, from NVML (Triton: `nv_gpu_utilization`); absent without NVML."),
+    ("streamapp_gpu_memory_used_bytes", "gauge", "gpu, name",
+     "GPU memory in use (Triton: `nv_gpu_memory_used_bytes`); absent without NVML."),
+    ("streamapp_gpu_memory_total_bytes", "gauge", "gpu, name",
+     "GPU memory in total (Triton: `nv_gpu_memory_total_bytes`); absent without NVML."),
+)
+
+
+def _batch_buckets(max_batch_size: int) -> tuple[float, ...]:
+    edges = [1.0]
+    while edges[-1] < max_batch_size:
+        edges.append(edges[-1] * 2)
+    edges[-1] = float(max_batch_size)
+    return tuple(sorted(set(edges)))
+
+
+class GpuMonitor:
+    """GPU utilisation and memory through NVML, when ``pynvml`` imports and NVML initialises.
+
+    Attributes:
+        available: False when NVML is missing or failed; :meth:`sample` then returns nothing.
+    """
+
+    def __init__(self) -> None:
+        self._nvml: Any = None
+        self._handles: list[tuple[str, str, Any]] = []
+        try:
+            import pynvml  # nvidia-ml-py; optional (the gpu extra)
+
+            pynvml.nvmlInit()
+            for i in range(pynvml.nvmlDeviceGetCount()):
+                handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+                name = pynvml.nvmlDeviceGetName(handle)
+                if isinstance(name, bytes):
+                    name = name.decode()
+                self._handles.append((str(i), str(name), handle))
+            self._nvml = pynvml
+        except Exception as exc:  # ImportError, NVMLError (no driver), ...
+            log.debug("no GPU metrics: NVML unavailable (%s)", exc)
+            self._handles = []
+
+    @property
+    def available(self) -> bool:
+        return self._nvml is not None and bool(self._handles)
+
+    def sample(self) -> list[tuple[str, str, float, int, int]]:
+        """``(index, name, utilisation 0-1, memory used bytes, memory total bytes)`` per GPU."""
+        out = []
+        if self._nvml is None:
+            return out
+        for index, name, handle in self._handles:
+            try:
+                util = self._nvml.nvmlDeviceGetUtilizationRates(handle)
+                mem = self._nvml.nvmlDeviceGetMemoryInfo(handle)
+                out.append((index, name, util.gpu / 100.0, int(mem.used), int(mem.total)))
+            except Exception as exc:
+                log.debug("NVML query of GPU %s failed: %s", index, exc)
+        return out
+
+
+@dataclass
+class WorkerGauges:
+    """Point-in-time values the collector exports; refreshed by :meth:`Metrics.refresh`.
+
+    Attributes:
+        lag / highwater: ``{(topic, partition): records}``.
+        assigned: ``{topic: partitions assigned}``.
+    """
+
+    ready: bool = False
+    inflight_batches: int = 0
+    pending_requests: int = 0
+    lag: dict[tuple[str, int], int] = field(default_factory=dict)
+    highwater: dict[tuple[str, int], int] = field(default_factory=dict)
+    assigned: dict[str, int] = field(default_factory=dict)
+    engines: dict[str, dict[str, Any]] = field(default_factory=dict)
+    table_flushes: int = 0
+    table_rows_written: int = 0
+    table_buckets_expired: int = 0
+
+
+class _GaugeCollector(Collector):
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterable[Any]:
+        g = self._metrics.gauges
+        yield _gauge("streamapp_ready", "1 when the worker is ready.", value=float(g.ready))
+        yield _gauge("streamapp_inflight_batches", "Batches running now.",
+                     value=g.inflight_batches)
+        yield _gauge("streamapp_pending_requests", "Requests read, not yet answered.",
+                     value=g.pending_requests)
+        lag = GaugeMetricFamily("streamapp_consumer_lag", "Records not fetched yet "
+                                "(fetch high watermark - position).", labels=["topic", "partition"])
+        for (topic, partition), value in sorted(g.lag.items()):
+            lag.add_metric([topic, str(partition)], value)
+        yield lag
+        hw = GaugeMetricFamily("streamapp_consumer_highwater", "High watermark from the last "
+                               "fetch.", labels=["topic", "partition"])
+        for (topic, partition), value in sorted(g.highwater.items()):
+            hw.add_metric([topic, str(partition)], value)
+        yield hw
+        assigned = GaugeMetricFamily("streamapp_assigned_partitions", "Partitions assigned.",
+                                     labels=["topic"])
+        for topic, n in sorted(g.assigned.items()):
+            assigned.add_metric([topic], n)
+        yield assigned
+        info = InfoMetricFamily("streamapp_engine", "The engine serving each model.",
+                                labels=["model"])
+        for model, e in sorted(g.engines.items()):
+            info.add_metric([model], {k: str(e.get(k, "")) for k in (
+                "backend", "engine", "device", "precision", "max_batch_size")})
+        yield info
+        for name, value, text in (
+            ("streamapp_table_flushes", g.table_flushes, "Device table flushes."),
+            ("streamapp_table_rows_written", g.table_rows_written, "Table rows written."),
+            ("streamapp_table_buckets_expired", g.table_buckets_expired,
+             "Window buckets expired."),
+        ):
+            yield CounterMetricFamily(name, text, value=value)
+        samples = self._metrics.gpu.sample() if self._metrics.gpu is not None else []
+        if samples:
+            util = GaugeMetricFamily("streamapp_gpu_utilization", "GPU utilisation 0-1.",
+                                     labels=["gpu", "name"])
+            used = GaugeMetricFamily("streamapp_gpu_memory_used_bytes", "GPU memory used.",
+                                     labels=["gpu", "name"])
+            total = GaugeMetricFamily("streamapp_gpu_memory_total_bytes", "GPU memory total.",
+                                      labels=["gpu", "name"])
+            for index, gpu_name, u, m_used, m_total in samples:
+                util.add_metric([index, gpu_name], u)
+                used.add_metric([index, gpu_name], m_used)
+                total.add_metric([index, gpu_name], m_total)
+            yield from (util, used, total)
+
+
+def _gauge(name: str, text: str, *, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, text, value=value)
+
+
+class Metrics:
+    """The worker's metrics: a pipeline observer plus scrape-time gauges.
+
+    Args:
+        models: Names of the models this worker loads; any other model name a request carries
+            is labelled ``unknown`` (request fields are untrusted: they must not create label
+            values without bound).
+        max_batch_size: Top bucket of the batch-size histogram.
+        gpu: NVML monitor; default: one is created (and is empty without NVML).
+        process_metrics: Also export ``process_*`` and ``python_info``.
+    """
+
+    def __init__(
+        self,
+        models: Sequence[str],
+        *,
+        max_batch_size: int,
+        gpu: GpuMonitor | None = None,
+        process_metrics: bool = True,
+    ) -> None:
+        self.registry = CollectorRegistry()
+        self.models = frozenset(models)
+        r = self.registry
+        self.requests = Counter("streamapp_requests", "Requests by outcome.",
+                                ["model", "outcome"], registry=r)
+        self.dead_letters = Counter("streamapp_dead_letters", "Dead letters by reason.",
+                                    ["model", "reason"], registry=r)
+        self.retries = Counter("streamapp_retries", "Retries by reason.",
+                               ["model", "reason"], registry=r)
+        self.batches = Counter("streamapp_batches", "Batches run by close reason.",
+                               ["model", "closed_by"], registry=r)
+        self.batch_size = Histogram("streamapp_batch_size", "Requests per batch.", ["model"],
+                                    buckets=_batch_buckets(max_batch_size), registry=r)
+        self.latency = Histogram("streamapp_latency_seconds", "Request latency by stage.",
+                                 ["model", "stage"], buckets=LATENCY_BUCKETS_S, registry=r)
+        self.gauges = WorkerGauges()
+        self.gpu = gpu if gpu is not None else GpuMonitor()
+        r.register(_GaugeCollector(self))
+        if process_metrics:
+            ProcessCollector(registry=r)
+            PlatformCollector(registry=r)
+        self._children: dict[tuple[Any, ...], Any] = {}
+        self._refreshers: list[Callable[[WorkerGauges], Any]] = []
+
+    # -- PipelineObserver -----------------------------------------------------------------------
+
+    def _model(self, model: str | None) -> str:
+        return model if model in self.models else "unknown"
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        key = (id(metric), *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
+    def on_outcome(self, outcome: Outcome) -> None:
+        model = self._model(outcome.model)
+        self._child(self.requests, model, outcome.kind).inc()
+        if outcome.kind == "dead_letter":
+            self._child(self.dead_letters, model, outcome.reason or "unknown").inc()
+        elif outcome.kind == "retry":
+            self._child(self.retries, model, outcome.reason or "unknown").inc()
+        else:
+            for stage, ms in (("queue", outcome.queue_ms), ("infer", outcome.infer_ms),
+                              ("e2e", outcome.e2e_ms)):
+                if ms is not None:
+                    self._child(self.latency, model, stage).observe(max(ms, 0.0) / 1000.0)
+
+    def on_batch(self, model: str, info: BatchInfo) -> None:
+        model = self._model(model)
+        self._child(self.batches, model, info.closed_by).inc()
+        self._child(self.batch_size, model).observe(info.size)
+
+    async def flush(self) -> None:
+        return None
+
+    # -- scraping -------------------------------------------------------------------------------
+
+    def add_refresher(self, refresh: Callable[[WorkerGauges], Any]) -> None:
+        """Register ``refresh(gauges)`` (sync or async) to run before each scrape."""
+        self._refreshers.append(refresh)
+
+    async def refresh(self) -> None:
+        """Run the refreshers; one that fails is logged and leaves its gauges as they were."""
+        for refresh in self._refreshers:
+            try:
+                result = refresh(self.gauges)
+                if hasattr(result, "__await__"):
+                    await result
+            except Exception:
+                log.exception("refreshing metrics with %r failed", refresh)
+
+    async def render(self) -> bytes:
+        """Refresh, then the Prometheus text exposition (``CONTENT_TYPE_LATEST``)."""
+        await self.refresh()
+        data: bytes = generate_latest(self.registry)
+        return data
+
+    def family_names(self) -> Iterator[str]:
+        """Names of the families this registry exports (for the docs test)."""
+        for metric in self.registry.collect():
+            yield metric.name

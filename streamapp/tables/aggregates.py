@@ -1,0 +1,240 @@
+"""Per-device aggregates: what one batch adds to a device, and how rows are merged (no Faust).
+
+Two kinds of rows, both JSON objects:
+
+* a **stats row** per device (table ``device_stats``)::
+
+    {"device_id": "cam17", "total": 42,
+     "counts": {"result": 40, "dead_letter": 2, "retry": 1},
+     "dead_letters_by_reason": {"bad_shape": 2}, "retries_by_reason": {"engine_oom": 1},
+     "last_seq": 41,
+     "last_result": {"request_id": "...", "seq": 41, "model": "digits", "label": "3",
+                     "score": 0.998, "e2e_ms": 12.5, "ts": 1796000000.2},
+     "latency_ewma_ms": {"e2e": 12.1, "queue": 3.0, "infer": 0.9},
+     "first_seen": 1796000000.0, "last_seen": 1796000000.2,
+     "_buckets": {"10000": [1796000000000, ...]}}
+
+  ``total`` counts finished requests (results + dead letters; a retry is not finished).
+  ``_buckets`` indexes the device's window buckets so that expired ones can be deleted; it is
+  internal and not served.
+
+* a **bucket row** per device, bucket size and bucket start (table ``device_windows``)::
+
+    {"count": 12, "results": 11, "dead_letters": 1, "retries": 0,
+     "e2e_sum_ms": 130.2, "e2e_n": 11, "e2e_max_ms": 20.1, "labels": {"3": 6, "8": 5}}
+
+The EWMA of a latency ``x`` is ``ewma = alpha * x + (1 - alpha) * ewma``, seeded with the first
+value, applied in the order outcomes were produced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from streamapp.agents.observer import Outcome
+from streamapp.tables.windows import WindowPlan, WindowRange
+
+__all__ = ["DeviceDelta", "merge_bucket", "public_stats", "render_window", "update_stats"]
+
+#: Outcome kinds that finish a request.
+FINAL_KINDS = ("result", "dead_letter")
+_COUNT_KINDS = ("result", "dead_letter", "retry")
+_LATENCIES = ("e2e", "queue", "infer")
+
+
+def _empty_bucket() -> dict[str, Any]:
+    return {"count": 0, "results": 0, "dead_letters": 0, "retries": 0,
+            "e2e_sum_ms": 0.0, "e2e_n": 0, "e2e_max_ms": None, "labels": {}}
+
+
+@dataclass
+class DeviceDelta:
+    """What the outcomes since the last flush add to one device (in memory, cheap to update).
+
+    Attributes:
+        device_id: The device (the record key as text).
+        counts: Outcomes by kind.
+        dead_letters_by_reason / retries_by_reason: Reason code → count.
+        latencies: ``(e2e_ms, queue_ms, infer_ms)`` of each result, in order.
+        last_seq / last_result: From the newest finished request that had them.
+        first_ts / last_ts: Epoch seconds of the first and last outcome.
+        buckets: ``{(bucket size ms, bucket start ms): bucket row}``.
+    """
+
+    device_id: str
+    counts: dict[str, int] = field(default_factory=dict)
+    dead_letters_by_reason: dict[str, int] = field(default_factory=dict)
+    retries_by_reason: dict[str, int] = field(default_factory=dict)
+    latencies: list[tuple[float | None, float | None, float | None]] = field(
+        default_factory=list
+    )
+    last_seq: int | None = None
+    last_result: dict[str, Any] | None = None
+    first_ts: float | None = None
+    last_ts: float | None = None
+    buckets: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict)
+
+    def add(self, outcome: Outcome, plan: WindowPlan) -> None:
+        """Count one outcome."""
+        kind = outcome.kind
+        self.counts[kind] = self.counts.get(kind, 0) + 1
+        if kind == "dead_letter":
+            reason = outcome.reason or "unknown"
+            self.dead_letters_by_reason[reason] = self.dead_letters_by_reason.get(reason, 0) + 1
+        elif kind == "retry":
+            reason = outcome.reason or "unknown"
+            self.retries_by_reason[reason] = self.retries_by_reason.get(reason, 0) + 1
+        if kind in FINAL_KINDS and outcome.seq is not None:
+            self.last_seq = outcome.seq
+        if kind == "result":
+            self.latencies.append((outcome.e2e_ms, outcome.queue_ms, outcome.infer_ms))
+            self.last_result = {
+                "request_id": outcome.request_id, "seq": outcome.seq, "model": outcome.model,
+                "label": outcome.label, "score": outcome.score, "e2e_ms": outcome.e2e_ms,
+                "attempt": outcome.attempt, "ts": outcome.ts,
+            }
+        if self.first_ts is None:
+            self.first_ts = outcome.ts
+        self.last_ts = outcome.ts
+        for size, start in plan.bucket_starts(outcome.ts).items():
+            bucket = self.buckets.get((size, start))
+            if bucket is None:
+                bucket = self.buckets[(size, start)] = _empty_bucket()
+            _add_to_bucket(bucket, outcome)
+
+
+def _add_to_bucket(bucket: dict[str, Any], outcome: Outcome) -> None:
+    if outcome.kind == "retry":
+        bucket["retries"] += 1
+        return
+    bucket["count"] += 1
+    if outcome.kind == "dead_letter":
+        bucket["dead_letters"] += 1
+        return
+    bucket["results"] += 1
+    if outcome.e2e_ms is not None:
+        bucket["e2e_sum_ms"] += outcome.e2e_ms
+        bucket["e2e_n"] += 1
+        top = bucket["e2e_max_ms"]
+        bucket["e2e_max_ms"] = outcome.e2e_ms if top is None else max(top, outcome.e2e_ms)
+    if outcome.label is not None:
+        labels = bucket["labels"]
+        labels[outcome.label] = labels.get(outcome.label, 0) + 1
+
+
+def merge_bucket(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> dict[str, Any]:
+    """The sum of two bucket rows (counts and sums add, maxima take the larger)."""
+    out = _empty_bucket()
+    for row in (old, new):
+        if not row:
+            continue
+        for name in ("count", "results", "dead_letters", "retries", "e2e_n"):
+            out[name] += int(row.get(name) or 0)
+        out["e2e_sum_ms"] += float(row.get("e2e_sum_ms") or 0.0)
+        top = row.get("e2e_max_ms")
+        if top is not None:
+            out["e2e_max_ms"] = top if out["e2e_max_ms"] is None else max(out["e2e_max_ms"], top)
+        for label, n in (row.get("labels") or {}).items():
+            out["labels"][label] = out["labels"].get(label, 0) + int(n)
+    return out
+
+
+def _add_counts(target: dict[str, int], more: Mapping[str, int]) -> dict[str, int]:
+    out = dict(target)
+    for name, n in more.items():
+        out[name] = out.get(name, 0) + n
+    return out
+
+
+def update_stats(
+    row: Mapping[str, Any] | None,
+    delta: DeviceDelta,
+    plan: WindowPlan,
+    *,
+    alpha: float,
+    now_s: float,
+) -> tuple[dict[str, Any], list[tuple[int, int]]]:
+    """Apply a delta to a device's stats row.
+
+    Args:
+        row: The stored row, or None for a new device.
+        delta: What happened since the last flush.
+        plan: Window sizes and expiry.
+        alpha: EWMA weight of the newest value, in (0, 1].
+        now_s: Epoch seconds, for expiry.
+
+    Returns:
+        ``(new row, expired buckets)``: the buckets ``(size ms, start ms)`` to delete from the
+        bucket table.
+    """
+    old: Mapping[str, Any] = row or {}
+    counts = {k: 0 for k in _COUNT_KINDS}
+    counts.update(old.get("counts") or {})
+    counts = _add_counts(counts, delta.counts)
+    ewma = dict(old.get("latency_ewma_ms") or {name: None for name in _LATENCIES})
+    for values in delta.latencies:
+        for name, x in zip(_LATENCIES, values, strict=True):
+            if x is None:
+                continue
+            prev = ewma.get(name)
+            ewma[name] = x if prev is None else alpha * x + (1.0 - alpha) * prev
+    index: dict[str, list[int]] = {
+        str(size): list(starts) for size, starts in (old.get("_buckets") or {}).items()
+    }
+    for size, start in delta.buckets:
+        starts = index.setdefault(str(size), [])
+        if start not in starts:
+            starts.append(start)
+    expired: list[tuple[int, int]] = []
+    for size_text, starts in index.items():
+        size = int(size_text)
+        keep = []
+        for start in sorted(starts):
+            (expired.append((size, start)) if plan.expired(size, start, now_s)
+             else keep.append(start))
+        index[size_text] = keep
+    new = {
+        "device_id": delta.device_id,
+        "total": sum(counts[k] for k in FINAL_KINDS),
+        "counts": counts,
+        "dead_letters_by_reason": _add_counts(
+            dict(old.get("dead_letters_by_reason") or {}), delta.dead_letters_by_reason
+        ),
+        "retries_by_reason": _add_counts(
+            dict(old.get("retries_by_reason") or {}), delta.retries_by_reason
+        ),
+        "last_seq": delta.last_seq if delta.last_seq is not None else old.get("last_seq"),
+        "last_result": delta.last_result or old.get("last_result"),
+        "latency_ewma_ms": {k: (None if v is None else round(v, 3)) for k, v in ewma.items()},
+        "first_seen": old.get("first_seen", delta.first_ts),
+        "last_seen": delta.last_ts if delta.last_ts is not None else old.get("last_seen"),
+        "_buckets": {size: starts for size, starts in index.items() if starts},
+    }
+    return new, expired
+
+
+def public_stats(row: Mapping[str, Any]) -> dict[str, Any]:
+    """A stats row as served by ``GET /devices/{id}`` (internal fields removed)."""
+    return {k: v for k, v in row.items() if not k.startswith("_")}
+
+
+def render_window(
+    window: WindowRange, buckets: Iterable[Mapping[str, Any] | None]
+) -> dict[str, Any]:
+    """One window as served by ``GET /devices/{id}/windows``: the merge of its buckets."""
+    total: dict[str, Any] = _empty_bucket()
+    for bucket in buckets:
+        if bucket:
+            total = merge_bucket(total, bucket)
+    n = total.pop("e2e_n")
+    e2e_sum = total.pop("e2e_sum_ms")
+    return {
+        "start": window.start_ms / 1000.0,
+        "end": window.end_ms / 1000.0,
+        **{k: total[k] for k in ("count", "results", "dead_letters", "retries")},
+        "e2e_mean_ms": round(e2e_sum / n, 3) if n else None,
+        "e2e_max_ms": total["e2e_max_ms"],
+        "labels": dict(sorted(total["labels"].items())),
+    }

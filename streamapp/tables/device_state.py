@@ -1,0 +1,195 @@
+"""Per-device state: a pipeline observer that writes it, and a reader the views answer from.
+
+:class:`DeviceStateObserver` collects outcomes in memory (:meth:`~DeviceStateObserver.on_outcome`
+is a dict update) and writes each touched device's rows once per batch
+(:meth:`~DeviceStateObserver.flush`): one stats row and one bucket per window series, plus the
+deletion of buckets that expired. Faust's per-write cost (a RocksDB put and a changelog record)
+is what limits a table-updating agent to a few thousand messages per second
+(``shared/BROKER.md``); batching the writes keeps tables off the critical path.
+
+A device is identified by its **record key** (raw bytes) when the outcome came from the request
+topic — the key routing and partitioning use — and by the request's ``device_id`` otherwise
+(retries). Records with neither (no key, undecodable value) are not attributed to a device;
+metrics still count them.
+
+Counts are at-least-once like the pipeline: after a crash, requests that were processed but not
+committed are processed again and counted again (bounded by the in-flight window).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from streamapp.agents.observer import Outcome
+from streamapp.batching import BatchInfo
+from streamapp.tables.aggregates import (
+    DeviceDelta,
+    merge_bucket,
+    public_stats,
+    render_window,
+    update_stats,
+)
+from streamapp.tables.base import DeviceTables, bucket_key
+from streamapp.tables.windows import WindowKind, WindowPlan
+
+__all__ = ["DeviceStateObserver", "DeviceStateReader", "FlushStats"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class FlushStats:
+    """Counters since start: flushes, rows written, buckets expired, failed device flushes,
+    outcomes that could not be attributed to a device."""
+
+    flushes: int = 0
+    rows_written: int = 0
+    buckets_expired: int = 0
+    failures: int = 0
+    unattributed: int = 0
+
+
+class DeviceStateObserver:
+    """:class:`~streamapp.agents.observer.PipelineObserver` that keeps ``device_stats`` and the
+    window buckets.
+
+    Args:
+        tables: Where rows go.
+        plan: Window sizes and expiry.
+        request_topic: Outcomes whose event came from this topic are keyed by the record key.
+        ewma_alpha: Weight of the newest latency in the EWMA.
+        clock: Epoch seconds (tests pass a fake).
+    """
+
+    def __init__(
+        self,
+        tables: DeviceTables,
+        plan: WindowPlan,
+        *,
+        request_topic: str,
+        ewma_alpha: float,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.tables = tables
+        self.plan = plan
+        self.request_topic = request_topic
+        self.ewma_alpha = ewma_alpha
+        self.clock = clock
+        self.stats = FlushStats()
+        self._pending: dict[bytes, tuple[DeviceDelta, Any]] = {}
+
+    def _device(self, outcome: Outcome) -> tuple[bytes, Any] | None:
+        event = outcome.event
+        message = getattr(event, "message", None)
+        if message is not None and message.topic == self.request_topic and message.key:
+            return bytes(message.key), event
+        if outcome.device_id:
+            return outcome.device_id.encode(), None
+        return None
+
+    def on_outcome(self, outcome: Outcome) -> None:
+        device = self._device(outcome)
+        if device is None:
+            self.stats.unattributed += 1
+            return
+        key, event = device
+        pending = self._pending.get(key)
+        if pending is None:
+            delta = DeviceDelta(key.decode("utf-8", "replace"))
+            self._pending[key] = (delta, event)
+        else:
+            delta = pending[0]
+            if event is not None:  # the newest event of the device selects the partition
+                self._pending[key] = (delta, event)
+        delta.add(outcome, self.plan)
+
+    def on_batch(self, model: str, info: BatchInfo) -> None:
+        return None
+
+    async def flush(self) -> None:
+        """Write what the outcomes since the last flush changed, one device at a time."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, {}
+        now = self.clock()
+        self.stats.flushes += 1
+        for key, (delta, event) in pending.items():
+            try:
+                self._write(key, delta, event, now)
+            except Exception:
+                self.stats.failures += 1
+                log.exception("could not update the tables of device %r", key)
+        self.tables.flushed()
+
+    def _write(self, key: bytes, delta: DeviceDelta, event: Any, now: float) -> None:
+        tables = self.tables
+        with tables.writing(key, event):
+            row, expired = update_stats(
+                tables.get_stats(key), delta, self.plan, alpha=self.ewma_alpha, now_s=now
+            )
+            for (size, start), part in delta.buckets.items():
+                if (size, start) in expired:
+                    continue
+                bkey = bucket_key(key, size, start)
+                tables.set_bucket(bkey, merge_bucket(tables.get_bucket(bkey), part))
+            for size, start in expired:
+                tables.delete_bucket(bucket_key(key, size, start))
+            tables.set_stats(key, row)
+        self.stats.rows_written += 1 + len(delta.buckets)
+        self.stats.buckets_expired += len(expired)
+
+
+class DeviceStateReader:
+    """Answers queries from the rows this worker holds (the views route to the owner first)."""
+
+    def __init__(self, tables: DeviceTables, plan: WindowPlan,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.tables = tables
+        self.plan = plan
+        self.clock = clock
+
+    def stats(self, device_key: bytes) -> dict[str, Any] | None:
+        """The device's stats as served, or None when this worker has no row for it."""
+        row = self.tables.get_stats(device_key)
+        return None if row is None else public_stats(row)
+
+    def windows(
+        self, device_key: bytes, kind: WindowKind, last: int
+    ) -> list[dict[str, Any]] | None:
+        """The ``last`` most recent windows of ``kind`` (oldest first, empty ones included),
+        or None when the device is unknown here."""
+        if self.tables.get_stats(device_key) is None:
+            return None
+        now = self.clock()
+        cache: dict[tuple[int, int], dict[str, Any] | None] = {}
+
+        def bucket(size: int, start: int) -> dict[str, Any] | None:
+            if (size, start) not in cache:
+                expired = self.plan.expired(size, start, now)
+                cache[(size, start)] = None if expired else self.tables.get_bucket(
+                    bucket_key(device_key, size, start)
+                )
+            return cache[(size, start)]
+
+        return [
+            render_window(w, (bucket(w.bucket_size_ms, s) for s in w.buckets))
+            for w in self.plan.last_windows(kind, last, now)
+        ]
+
+    def devices(self) -> list[dict[str, Any]]:
+        """Summaries of every device this worker owns."""
+        out = []
+        for key, row in self.tables.iter_stats():
+            out.append({
+                "device_id": row.get("device_id") or key.decode("utf-8", "replace"),
+                "total": row.get("total", 0),
+                "counts": row.get("counts", {}),
+                "last_seq": row.get("last_seq"),
+                "last_seen": row.get("last_seen"),
+                "e2e_ewma_ms": (row.get("latency_ewma_ms") or {}).get("e2e"),
+            })
+        return out

@@ -1,0 +1,261 @@
+"""Device tables as Faust tables: RocksDB (through rocksdict) plus a compacted changelog topic.
+
+``device_stats`` and ``device_windows`` are co-partitioned with the request topic: a device's
+rows live in the partition its requests are read from, so the worker that processes a device
+owns its rows, and Faust's ``key_store`` (which hashes the *serialized* table key) finds that
+worker because the table key is the record key itself — the device id as raw UTF-8 bytes, the
+same bytes producers key requests with (``key_type=bytes`` → Faust's ``raw`` serializer).
+
+Faust decides the partition of a table write from its *current event*, which it only sets while
+an agent iterates its stream. Our writes happen after a batch finished, so :meth:`writing`
+makes an event of the device current: the request record's own event when the outcome came from
+the request topic, else (a retried request arrives from the retry topic, keyed by request id) a
+stand-in that names the request-topic partition the device's key hashes to with Kafka's
+default partitioner (murmur2), which is where its requests are read from.
+
+**Sealing the changelog (embedded broker).** Tansu answers "latest offset" (ListOffsets) with the
+start of the last stored *batch* + 1 (``shared/BROKER.md`` item 2). Faust reads that as the end
+of a changelog partition, so after a multi-record batch it (a) stops restoring a table too early,
+losing the rest of that batch, and (b) can refuse to start with ``ConsistencyError`` because
+the local offset is past that "end". Both are harmless when the last batch of each partition
+holds one record. So when the tables have been idle for :data:`SEAL_IDLE_S`, the
+:class:`ChangelogSealer` waits until every buffered record is delivered and then appends one
+tombstone for the reserved key ``b""`` (no device has an empty key: the pipeline dead-letters
+such records) to each changelog partition written since the last seal: a one-record batch that
+the broker reports correctly. Restarts after traffic stopped are then exact; a crash in the
+middle of traffic can still lose the tail of the last batch when a table is restored from the
+changelog (not when the worker keeps its data dir). Apache Kafka answers ListOffsets correctly
+and needs none of this; the seals are cheap there (one record per partition per idle period).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import faust
+from aiokafka.partitioner import DefaultPartitioner
+
+from streamapp.faust_compat import event_context
+from streamapp.settings import Settings
+
+__all__ = ["SEAL_KEY", "ChangelogSealer", "FaustDeviceTables", "define_tables"]
+
+log = logging.getLogger(__name__)
+
+STATS_TABLE = "device_stats"
+WINDOWS_TABLE = "device_windows"
+#: Key of the seal tombstones (see the module docstring).
+SEAL_KEY = b""
+#: Seconds without table writes after which written changelog partitions are sealed.
+SEAL_IDLE_S = 0.25
+
+_partitioner = DefaultPartitioner()
+
+
+class _Message:
+    __slots__ = ("key", "partition", "topic")
+
+    def __init__(self, topic: str, partition: int, key: bytes) -> None:
+        self.topic = topic
+        self.partition = partition
+        self.key = key
+
+
+class _StandInEvent:
+    """Just enough of a Faust event for a table write: ``message.topic`` / ``.partition``.
+    Weak-referenceable, as Faust keeps the current event through a weakref."""
+
+    __slots__ = ("__weakref__", "message")
+
+    def __init__(self, topic: str, partition: int, key: bytes) -> None:
+        self.message = _Message(topic, partition, key)
+
+
+class ChangelogSealer:
+    """Ends each written changelog partition with a one-record batch once writes pause.
+
+    Args:
+        app: The Faust app (its producer).
+        tables: The tables whose changelogs are sealed.
+        idle_s: Seconds without a :meth:`flushed` call before sealing.
+
+    Attributes:
+        seals: Partitions sealed so far (one tombstone per table each).
+    """
+
+    def __init__(self, app: faust.App, tables: Sequence[Any], idle_s: float = SEAL_IDLE_S) -> None:
+        self.app = app
+        self.tables = list(tables)
+        self.idle_s = idle_s
+        self.seals = 0
+        self._dirty: set[int] = set()
+        self._generation = 0
+        self._timer: asyncio.TimerHandle | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def touched(self, partition: int) -> None:
+        """A row of ``partition`` was written."""
+        self._dirty.add(partition)
+
+    def flushed(self) -> None:
+        """A flush ended: (re)start the idle timer."""
+        self._generation += 1
+        if self._timer is not None:
+            self._timer.cancel()
+        loop = asyncio.get_running_loop()
+        self._timer = loop.call_later(self.idle_s, self._start)
+
+    def _start(self) -> None:
+        self._timer = None
+        if self._task is None or self._task.done():
+            self._task = asyncio.ensure_future(self.seal())
+
+    async def seal(self) -> int:
+        """Seal the written partitions now, unless more writes arrive while earlier records are
+        being delivered (the next idle period seals then). Returns the partitions sealed."""
+        generation = self._generation
+        log.info("SEALDBG before flush size %s", self.app.producer.buffer.size)
+        try:
+            await self.app.producer.flush()
+            log.info("SEALDBG after flush size %s", self.app.producer.buffer.size)
+        except Exception as exc:  # stopping: the producer is gone
+            log.debug("changelog seal skipped: %s", exc)
+            return 0
+        if generation != self._generation or not self._dirty:
+            log.info("SEALDBG skip gen %s/%s dirty %s", generation, self._generation, self._dirty)
+            return 0
+        owned = self._owned()
+        partitions = sorted(self._dirty & owned) if owned is not None else sorted(self._dirty)
+        self._dirty.clear()
+        # No await from the flush above to here: nothing else of ours can be queued for these
+        # partitions, so each tombstone starts (and, until the next write, ends) its own batch.
+        futs = []
+        for table in self.tables:
+            for partition in partitions:
+                futs.append(table.send_changelog(partition, SEAL_KEY, None, value_serializer="raw"))
+        async def _dbg():
+            for f in futs:
+                try:
+                    r = await asyncio.wait_for(asyncio.shield(f), 5)
+                    log.info("SEALDBG delivered %s", r)
+                except BaseException as e:
+                    log.info("SEALDBG failed %r", e)
+        asyncio.ensure_future(_dbg())
+        self.seals += len(partitions)
+        log.info("SEALDBG sealed %s owned %s", partitions, owned)
+        return len(partitions)
+
+    def _owned(self) -> set[int] | None:
+        try:
+            actives = self.app.assignor.assigned_actives()
+        except Exception:
+            return None
+        topic = self.tables[0].changelog_topic.get_topic_name()
+        return {tp.partition for tp in actives if tp.topic == topic}
+
+
+class FaustDeviceTables:
+    """:class:`~streamapp.tables.base.DeviceTables` over two Faust tables.
+
+    Args:
+        app: The worker's Faust app (the tables are defined on it by :func:`define_tables`).
+        stats / windows: The tables.
+        request_topic: Name of the request topic (the tables' source topic).
+        partitions: Its partition count, for stand-in events when the app cannot tell.
+    """
+
+    def __init__(
+        self, app: faust.App, stats: Any, windows: Any, *, request_topic: str, partitions: int
+    ) -> None:
+        self.app = app
+        self.stats = stats
+        self.windows = windows
+        self.request_topic = request_topic
+        self.partitions = partitions
+        self.sealer = ChangelogSealer(app, [stats, windows])
+
+    def partition_of(self, device_key: bytes) -> int:
+        """The request-topic partition Kafka's default partitioner gives ``device_key``."""
+        n = None
+        with contextlib.suppress(Exception):  # the consumer may not know the topic yet
+            n = self.app.consumer.topic_partitions(self.request_topic)
+        n = n or self.partitions
+        return int(_partitioner(device_key, list(range(n)), list(range(n))))
+
+    @contextlib.contextmanager
+    def writing(self, device_key: bytes, event: Any) -> Iterator[None]:
+        message = getattr(event, "message", None)
+        if (
+            message is None
+            or message.topic != self.request_topic
+            or bytes(message.key or b"") != device_key
+        ):
+            event = _StandInEvent(
+                self.request_topic, self.partition_of(device_key), device_key
+            )
+        self.sealer.touched(event.message.partition)
+        with event_context(event):
+            yield
+
+    def flushed(self) -> None:
+        self.sealer.flushed()
+
+    def get_stats(self, device_key: bytes) -> dict[str, Any] | None:
+        row: dict[str, Any] | None = self.stats.get(device_key)
+        return row
+
+    def set_stats(self, device_key: bytes, row: dict[str, Any]) -> None:
+        self.stats[device_key] = row
+
+    def get_bucket(self, key: bytes) -> dict[str, Any] | None:
+        row: dict[str, Any] | None = self.windows.get(key)
+        return row
+
+    def set_bucket(self, key: bytes, row: dict[str, Any]) -> None:
+        self.windows[key] = row
+
+    def delete_bucket(self, key: bytes) -> None:
+        if key in self.windows:
+            del self.windows[key]
+
+    def iter_stats(self) -> Iterator[tuple[bytes, dict[str, Any]]]:
+        for key, row in self.stats.items():
+            if key != SEAL_KEY and row is not None:
+                yield key, row
+
+
+def define_tables(app: faust.App, settings: Settings) -> FaustDeviceTables:
+    """Define ``device_stats`` and ``device_windows`` on ``app`` (before the worker starts).
+
+    Both use the RocksDB store through rocksdict (faust-streaming 0.15.3 picks rocksdict when
+    ``options={"driver": "rocksdict"}``), raw byte keys and JSON values, and as many partitions
+    as the request topic.
+    """
+    common: dict[str, Any] = {
+        "default": None,
+        "key_type": bytes,  # → Faust's "raw" key serializer: the record key's exact bytes
+        "value_type": None,  # → JSON values
+        "partitions": settings.topic_partitions,
+    }
+    # store: a table's own ``store="rocksdb://"`` is an empty, falsy yarl URL that Faust 0.15.3
+    # replaces by the app's default (memory); ``rocksdb:<table name>`` is what the app-level
+    # default expands to (files ``<datadir>/v1/tables/<name>-<partition>.db``).
+    # options: Faust pops "driver" out of the mapping it is given, so one dict per table.
+    stats = app.Table(
+        STATS_TABLE, store=f"rocksdb:{STATS_TABLE}", options={"driver": "rocksdict"},
+        help="Per-device counters, last result and latency EWMA (key: device id bytes).",
+        **common,
+    )
+    windows = app.Table(
+        WINDOWS_TABLE, store=f"rocksdb:{WINDOWS_TABLE}", options={"driver": "rocksdict"},
+        help="Per-device window buckets (key: device id bytes + NUL + size + start).",
+        **common,
+    )
+    return FaustDeviceTables(
+        app, stats, windows,
+        request_topic=settings.request_topic, partitions=settings.topic_partitions,
+    )

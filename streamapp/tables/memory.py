@@ -1,0 +1,68 @@
+"""Device tables in plain dicts: for tests of the observer and the views without Kafka."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from typing import Any
+
+__all__ = ["MemoryDeviceTables"]
+
+
+class MemoryDeviceTables:
+    """:class:`~streamapp.tables.base.DeviceTables` in memory.
+
+    Rows are stored JSON-encoded, as Faust stores them, so a test catches values that would not
+    survive the changelog. ``writes`` and ``deletes`` count calls; ``written_by`` records the
+    device key given to :meth:`writing` for every write, to check rows are written in their own
+    device's context.
+    """
+
+    def __init__(self) -> None:
+        self.stats: dict[bytes, bytes] = {}
+        self.buckets: dict[bytes, bytes] = {}
+        self.writes = 0
+        self.deletes = 0
+        self.written_by: list[tuple[bytes | None, bytes]] = []
+        self.flushes = 0
+        self._current: bytes | None = None
+
+    def flushed(self) -> None:
+        self.flushes += 1
+
+    @contextlib.contextmanager
+    def writing(self, device_key: bytes, event: Any) -> Iterator[None]:
+        previous, self._current = self._current, device_key
+        try:
+            yield
+        finally:
+            self._current = previous
+
+    def get_stats(self, device_key: bytes) -> dict[str, Any] | None:
+        raw = self.stats.get(device_key)
+        return None if raw is None else json.loads(raw)
+
+    def set_stats(self, device_key: bytes, row: dict[str, Any]) -> None:
+        self._write(device_key)
+        self.stats[device_key] = json.dumps(row).encode()
+
+    def get_bucket(self, key: bytes) -> dict[str, Any] | None:
+        raw = self.buckets.get(key)
+        return None if raw is None else json.loads(raw)
+
+    def set_bucket(self, key: bytes, row: dict[str, Any]) -> None:
+        self._write(key)
+        self.buckets[key] = json.dumps(row).encode()
+
+    def delete_bucket(self, key: bytes) -> None:
+        self.deletes += 1
+        self.buckets.pop(key, None)
+
+    def iter_stats(self) -> Iterator[tuple[bytes, dict[str, Any]]]:
+        for key, raw in list(self.stats.items()):
+            yield key, json.loads(raw)
+
+    def _write(self, key: bytes) -> None:
+        self.writes += 1
+        self.written_by.append((self._current, key))

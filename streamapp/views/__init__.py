@@ -1,0 +1,66 @@
+"""The worker's web API (Faust views on its aiohttp server).
+
+Every answer is JSON except ``/metrics``; every error is
+``{"error": code, "message": ..., "status": n}`` (400 bad query, 404 unknown device, 503 not
+ready). Device queries are answered by the worker that owns the device and forwarded there from
+any other worker (:mod:`streamapp.views.routing`). :data:`ENDPOINTS` is the API reference; the
+README's table is kept equal to it by a test.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import faust
+
+from streamapp.views.devices import add_device_views
+from streamapp.views.errors import ApiError, ApiView
+from streamapp.views.health import add_health_views
+from streamapp.views.metrics import add_metrics_view
+
+if TYPE_CHECKING:
+    from streamapp.state import WorkerState
+
+__all__ = ["ENDPOINTS", "ApiError", "ApiView", "api_reference", "install_views"]
+
+#: ``(method, path, query parameters, description)`` of every endpoint.
+ENDPOINTS: tuple[tuple[str, str, str, str], ...] = (
+    ("GET", "/health", "",
+     "Liveness: 200 `{\"status\": \"ok\"}` while the event loop answers."),
+    ("GET", "/ready", "",
+     "200 when partitions are assigned, every engine is loaded and warmed up and the tables are "
+     "recovered; 503 otherwise. Body: `ready`, `checks`, `assigned`, `engines`."),
+    ("GET", "/engines", "",
+     "Per model: backend, engine tag (version + model/plan hash), device, precision, "
+     "max batch size."),
+    ("GET", "/metrics", "", "Prometheus text format (see *Metrics*)."),
+    ("GET", "/cluster", "",
+     "This worker's URL and every worker of the group with the partitions it owns."),
+    ("GET", "/devices", "`limit` (1–1000, 100), `offset` (0), "
+     "`sort` (`device_id`, `-total`, `-last_seen`)",
+     "Devices **this** worker owns: `count`, `devices` (id, total, counts, last seq, last "
+     "seen, e2e EWMA), `next_offset`."),
+    ("GET", "/devices/{device_id}", "",
+     "The device's stats from its owner (any worker forwards): `total`, `counts` by outcome, "
+     "dead letters and retries by reason, `last_seq`, `last_result`, `latency_ewma_ms`, "
+     "`first_seen`, `last_seen`. 404 when unknown."),
+    ("GET", "/devices/{device_id}/windows", "`kind` (`tumbling`, `hopping`), "
+     "`last` (1–what expiry keeps, 6)",
+     "The device's `last` windows, oldest first, empty ones included: `start`, `end`, "
+     "`count`, `results`, `dead_letters`, `retries`, `e2e_mean_ms`, `e2e_max_ms`, `labels`."),
+)
+
+
+def api_reference() -> str:
+    """The Markdown table of :data:`ENDPOINTS` (what the README shows)."""
+    rows = ["| method | path | query | answer |", "|---|---|---|---|"]
+    for method, path, query, text in ENDPOINTS:
+        rows.append(f"| {method} | `{path}` | {query or '—'} | {text} |")
+    return "\n".join(rows)
+
+
+def install_views(app: faust.App, state: WorkerState) -> None:
+    """Register every endpoint of :data:`ENDPOINTS` on ``app``."""
+    add_health_views(app, state)
+    add_metrics_view(app, state)
+    add_device_views(app, state)

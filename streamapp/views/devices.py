@@ -1,0 +1,111 @@
+"""``/devices``, ``/devices/{device_id}`` and ``/devices/{device_id}/windows``."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import faust
+from faust.web import Request, Response
+
+from streamapp.tables import WINDOW_KINDS
+from streamapp.views.errors import ApiError, ApiView
+from streamapp.views.params import (
+    check_params,
+    choice,
+    device_id_from_path,
+    device_key,
+    int_param,
+)
+from streamapp.views.routing import forward_to_owner
+
+if TYPE_CHECKING:
+    from streamapp.state import WorkerState
+
+__all__ = ["add_device_views"]
+
+#: ``/devices`` page size: default and maximum.
+PAGE_DEFAULT, PAGE_MAX = 100, 1000
+#: ``/devices/{id}/windows``: windows returned by default.
+LAST_DEFAULT = 6
+SORTS = ("device_id", "-total", "-last_seen")
+
+
+def _unknown(device_id: str) -> ApiError:
+    return ApiError(
+        404, "unknown_device",
+        f"no request from device {device_id!r} has been processed (or its state expired); "
+        "device ids are the request records' keys",
+        device_id=device_id,
+    )
+
+
+def add_device_views(app: faust.App, state: WorkerState) -> None:
+    reader = state.reader
+
+    @app.page("/devices")
+    class Devices(ApiView):
+        """Devices this worker owns, paginated."""
+
+        async def get(self, request: Request) -> Response:
+            query = request.query
+            check_params(query, ("limit", "offset", "sort"))
+            limit = int_param(query, "limit", default=PAGE_DEFAULT, low=1, high=PAGE_MAX)
+            offset = int_param(query, "offset", default=0, low=0, high=2**31)
+            sort = choice(query, "sort", SORTS, default="device_id")
+            devices = reader.devices()
+            if sort == "device_id":
+                devices.sort(key=lambda d: d["device_id"])
+            else:
+                field = sort[1:]
+                devices.sort(key=lambda d: (-(d.get(field) or 0), d["device_id"]))
+            page = devices[offset: offset + limit]
+            more = offset + limit < len(devices)
+            return self.json({
+                "worker": state.worker, "url": state.url, "count": len(devices),
+                "offset": offset, "limit": limit,
+                "next_offset": offset + limit if more else None, "devices": page,
+            })
+
+    @app.page("/devices/{device_id}")
+    class Device(ApiView):
+        """One device's stats, from whichever worker owns it."""
+
+        async def get(self, request: Request, device_id: str) -> Response:
+            check_params(request.query, ())
+            device_id = device_id_from_path(request)
+            key = device_key(device_id)
+            forwarded = await forward_to_owner(self, request, state.tables, key)
+            if forwarded is not None:
+                return forwarded
+            row = reader.stats(key)
+            if row is None:
+                raise _unknown(device_id)
+            body: dict[str, Any] = {
+                **row, "partition": state.tables.partition_of(key), "served_by": state.worker,
+            }
+            return self.json(body)
+
+    @app.page("/devices/{device_id}/windows")
+    class DeviceWindows(ApiView):
+        """A device's most recent tumbling or hopping windows."""
+
+        async def get(self, request: Request, device_id: str) -> Response:
+            query = request.query
+            check_params(query, ("kind", "last"))
+            device_id = device_id_from_path(request)
+            key = device_key(device_id)
+            kind = choice(query, "kind", WINDOW_KINDS, default="tumbling")
+            plan = state.plan
+            last = int_param(query, "last", default=LAST_DEFAULT, low=1,
+                             high=plan.max_last(kind))
+            forwarded = await forward_to_owner(self, request, state.tables, key)
+            if forwarded is not None:
+                return forwarded
+            windows = reader.windows(key, kind, last)
+            if windows is None:
+                raise _unknown(device_id)
+            return self.json({
+                "device_id": device_id, "kind": kind,
+                "size_s": plan.size_ms(kind) / 1000.0, "step_s": plan.step_of(kind) / 1000.0,
+                "served_by": state.worker, "windows": windows,
+            })

@@ -1,0 +1,70 @@
+"""``/health``, ``/ready``, ``/engines`` and ``/cluster``."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import faust
+from faust.web import Request, Response
+
+from streamapp.views.errors import ApiView
+from streamapp.views.params import check_params
+
+if TYPE_CHECKING:
+    from streamapp.state import WorkerState
+
+__all__ = ["add_health_views"]
+
+
+def add_health_views(app: faust.App, state: WorkerState) -> None:
+    @app.page("/health")
+    class Health(ApiView):
+        """Liveness: the worker's event loop answers."""
+
+        async def get(self, request: Request) -> Response:
+            check_params(request.query, ())
+            return self.json({"status": "ok", "worker": state.worker})
+
+    @app.page("/ready")
+    class Ready(ApiView):
+        """200 when partitions are assigned, engines warmed up and tables recovered; else 503."""
+
+        async def get(self, request: Request) -> Response:
+            check_params(request.query, ())
+            checks = state.readiness()
+            ready = all(checks.values())
+            body: dict[str, Any] = {
+                "ready": ready,
+                "checks": checks,
+                "assigned": [f"{t}:{p}" for t, p in state.assigned()],
+                "url": state.url,
+                **state.runtime.describe(),
+            }
+            body["ready"] = ready  # describe() has the runtime's own flag
+            return self.json(body, status=200 if ready else 503)
+
+    @app.page("/engines")
+    class Engines(ApiView):
+        """The engine serving each model."""
+
+        async def get(self, request: Request) -> Response:
+            check_params(request.query, ())
+            return self.json(state.runtime.describe()["engines"])
+
+    @app.page("/cluster")
+    class Cluster(ApiView):
+        """The workers of the group (web URLs) and the partitions each one owns."""
+
+        async def get(self, request: Request) -> Response:
+            check_params(request.query, ())
+            topic = state.tables.stats.changelog_topic.get_topic_name()
+            try:
+                metadata = app.router.table_metadata(state.tables.stats.name)
+            except KeyError:
+                metadata = {}
+            workers = sorted(
+                ({"url": str(url), "partitions": sorted(topics.get(topic) or [])}
+                 for url, topics in metadata.items()),
+                key=lambda w: w["url"],
+            )
+            return self.json({"self": state.url, "worker": state.worker, "workers": workers})

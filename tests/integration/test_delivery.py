@@ -1,0 +1,165 @@
+"""Delivery guarantees under crashes and rebalances, on the embedded broker.
+
+These tests kill real worker processes (SIGKILL) and move partitions between two workers while
+traffic flows, then check what a user of the guarantee checks: every request_id has a result or a
+dead letter (nothing lost), duplicates stay within the in-flight window, and each device's first
+deliveries keep its order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from streamapp.broker import EmbeddedBroker
+from streamapp.client import (
+    Outcomes,
+    collect_outcomes,
+    digits_requests,
+    load_digits_frames,
+    publish,
+)
+from streamapp.process import WorkerProcess
+from streamapp.settings import Settings
+
+pytestmark = [pytest.mark.kafka, pytest.mark.slow]
+
+BATCH, INFLIGHT = 32, 2
+MAX_PENDING = BATCH * (INFLIGHT + 1)
+
+
+def _worker(settings: Settings, tmp_path: Path, name: str) -> WorkerProcess:
+    return WorkerProcess(
+        {
+            "broker": settings.broker, "app_id": settings.app_id,
+            "topic_prefix": settings.topic_prefix, "topic_partitions": settings.topic_partitions,
+            "backend": "onnxruntime", "data_dir": tmp_path / f"data-{name}",
+            "max_batch_size": BATCH, "max_inflight_batches": INFLIGHT,
+            "commit_interval_ms": 20, "worker_name": name, "group_instance_id": name,
+        },
+        log_path=tmp_path / f"{name}.log",
+    )
+
+
+def _answered(outcomes: Outcomes) -> set[str | None]:
+    return outcomes.result_ids() | outcomes.dead_letter_ids()
+
+
+async def _count_results(bootstrap: str, settings: Settings) -> int:
+    out = await collect_outcomes(
+        bootstrap, settings.result_topic, settings.dlq_topic, done=lambda o: False, timeout_s=0.5
+    )
+    return len(out.results)
+
+
+def _first_delivery_order_violations(outcomes: Outcomes) -> int:
+    seen: set[str] = set()
+    last: dict[str, int] = {}
+    violations = 0
+    for r in outcomes.results:  # topic order; a device's results share one partition
+        if r["request_id"] in seen:
+            continue
+        seen.add(r["request_id"])
+        device = r["device_id"]
+        if device in last and r["seq"] < last[device]:
+            violations += 1
+        last[device] = r["seq"]
+    return violations
+
+
+@pytest.fixture
+def delivery_settings(worker_settings: Settings) -> Settings:
+    return worker_settings
+
+
+async def test_sigkill_at_random_moments_loses_nothing(
+    kafka_broker: EmbeddedBroker, delivery_settings: Settings, tmp_path: Path
+) -> None:
+    settings = delivery_settings
+    bootstrap = kafka_broker.bootstrap_servers
+    images, _ = load_digits_frames()
+    total, devices, kills = 20_000, 64, 5
+    requests = digits_requests(images, devices=devices, indices=[i % len(images)
+                                                                  for i in range(total)])
+    sent = await publish(bootstrap, settings.request_topic, requests, codec="msgpack")
+    ids = {s.request_id for s in sent}
+    rng = random.Random(7)
+    recovery_s = []
+    worker = _worker(settings, tmp_path, "w").start()
+    try:
+        worker.wait_ready()
+        for kill in range(kills):
+            # let it run a random while (at least some results beyond the last kill), then kill
+            target = (kill + 1) * total // (kills + 2) + rng.randrange(0, total // (kills * 4))
+            deadline = time.monotonic() + 120
+            while await _count_results(bootstrap, settings) < target:
+                assert time.monotonic() < deadline, worker.log_tail()
+                assert worker.process is not None and worker.process.poll() is None, \
+                    worker.log_tail()
+                await asyncio.sleep(rng.uniform(0.05, 0.3))
+            worker.kill()
+            started = time.monotonic()
+            worker = _worker(settings, tmp_path, "w").start()
+            worker.wait_ready()
+            recovery_s.append(time.monotonic() - started)
+        out = await collect_outcomes(
+            bootstrap, settings.result_topic, settings.dlq_topic,
+            done=lambda o: ids <= _answered(o), timeout_s=180,
+        )
+    finally:
+        worker.stop()
+    lost = ids - _answered(out)
+    duplicates = sum(n - 1 for n in Counter(r["request_id"] for r in out.results).values())
+    print(f"\nSIGKILL x{kills}: sent {total}, lost {len(lost)}, duplicates {duplicates} "
+          f"({duplicates / kills:.0f} per kill), recovery {np.round(recovery_s, 1).tolist()} s")
+    assert lost == set()
+    assert out.dead_letters == []
+    assert duplicates <= kills * MAX_PENDING * 2, "more duplicates than the in-flight window"
+    assert _first_delivery_order_violations(out) == 0
+
+
+async def test_a_worker_joining_and_leaving_during_traffic_loses_nothing(
+    kafka_broker: EmbeddedBroker, delivery_settings: Settings, tmp_path: Path
+) -> None:
+    settings = delivery_settings
+    bootstrap = kafka_broker.bootstrap_servers
+    images, _ = load_digits_frames()
+    total = 12_000
+    requests = digits_requests(images, devices=32, indices=[i % len(images)
+                                                             for i in range(total)])
+    ids = {r.request_id for _, r in requests}
+    first = _worker(settings, tmp_path, "a").start()
+    second: WorkerProcess | None = None
+    try:
+        first.wait_ready()
+        publisher = asyncio.create_task(
+            publish(bootstrap, settings.request_topic, requests, codec="msgpack",
+                    rate_per_s=600)
+        )
+        for round_ in range(2):
+            await asyncio.sleep(2)
+            second = _worker(settings, tmp_path, f"b{round_}").start()
+            await asyncio.to_thread(second.wait_ready)
+            await asyncio.sleep(3)
+            assert second.stop() == 0, second.log_tail()  # SIGTERM: leaves the group cleanly
+        await publisher
+        out = await collect_outcomes(
+            bootstrap, settings.result_topic, settings.dlq_topic,
+            done=lambda o: ids <= _answered(o), timeout_s=120,
+        )
+        assert first.process is not None and first.process.poll() is None, first.log_tail()
+    finally:
+        first.stop()
+        if second is not None:
+            second.stop()
+    lost = ids - _answered(out)
+    duplicates = sum(n - 1 for n in Counter(r["request_id"] for r in out.results).values())
+    print(f"\nrebalances x4: sent {total}, lost {len(lost)}, duplicates {duplicates}")
+    assert lost == set(), f"lost {len(lost)}: {sorted(lost)[:10]}"
+    assert _first_delivery_order_violations(out) == 0

@@ -1,0 +1,450 @@
+"""DLQ tooling: ``--since`` parsing, filters and the table (unit), then on the session broker:
+reading to the end (fetch high watermark), filters, replay counts and byte-exact re-published
+requests, ``--follow``, and the ``streamapp dlq`` commands."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime
+
+import pytest
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from typer.testing import CliRunner
+
+from streamapp.broker import EmbeddedBroker, create_topics
+from streamapp.cli import cli
+from streamapp.codecs import encode_dead_letter
+from streamapp.dlq import (
+    DeadLetterEntry,
+    DeadLetterFilter,
+    DeadLetterReader,
+    format_entries,
+    parse_since,
+    read_dead_letters,
+    replay_dead_letters,
+)
+from streamapp.exceptions import BrokerError
+from streamapp.records import DeadLetter
+from streamapp.settings import Settings, load_settings
+
+NOW = 1_800_000_000.0
+
+
+def letter(
+    n: int,
+    reason: str = "bad_shape",
+    device: str | None = "cam-1",
+    ts: float = NOW,
+    value: bytes | None = None,
+    key: bytes | None = b"",
+) -> DeadLetter:
+    """A dead letter whose original value is distinct bytes (not even UTF-8) per ``n``."""
+    return DeadLetter(
+        value=value if value is not None else b"\xff\x00orig-%d\x80" % n,
+        key=(device or "").encode() if key == b"" else key,
+        error={"reason": reason, "type": "InvalidRequestError",
+               "message": f"problem {n} with a long explanation " + "x" * 80, "stage": "validate"},
+        attempts=1,
+        first_failed_ts=ts,
+        last_failed_ts=ts,
+        source={"topic": "inference-request", "partition": n % 4, "offset": 100 + n},
+        request_id=f"req-{n}" if device is not None else None,
+        device_id=device,
+        worker="host:1",
+    )
+
+
+def entry(n: int, **kwargs: object) -> DeadLetterEntry:
+    return DeadLetterEntry(letter(n, **kwargs), partition=0, offset=n, timestamp_ms=0)  # type: ignore[arg-type]
+
+
+# -- parse_since ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("10m", NOW - 600), ("90s", NOW - 90), ("2h", NOW - 7200), ("1d", NOW - 86_400),
+        ("1w", NOW - 604_800), ("1h30m", NOW - 5400), ("500ms", NOW - 0.5), ("1.5h", NOW - 5400),
+        ("1796000000", 1_796_000_000.0), ("1796000000.25", 1_796_000_000.25),
+        ("2026-05-01T12:00:00Z", datetime(2026, 5, 1, 12, tzinfo=UTC).timestamp()),
+        ("2026-05-01T12:00:00+02:00", datetime(2026, 5, 1, 10, tzinfo=UTC).timestamp()),
+    ],
+)
+def test_parse_since(text: str, expected: float) -> None:
+    assert parse_since(text, now=NOW) == pytest.approx(expected)
+
+
+def test_parse_since_naive_iso_is_local_time() -> None:
+    assert parse_since("2026-05-01") == datetime(2026, 5, 1).timestamp()
+
+
+@pytest.mark.parametrize("text", ["", "yesterday", "10 minutes", "-5", "10x", "nan", "m10"])
+def test_parse_since_rejects_with_examples(text: str) -> None:
+    with pytest.raises(ValueError, match="since"):
+        parse_since(text, now=NOW)
+
+
+# -- filters and formatting -----------------------------------------------------------------------
+
+
+def test_filter_criteria_all_must_hold() -> None:
+    a = entry(1, reason="bad_shape", device="cam-1", ts=NOW)
+    b = entry(2, reason="non_finite", device="cam-1", ts=NOW - 100)
+    c = entry(3, reason="bad_shape", device="cam-2", ts=NOW - 100)
+
+    def kept(where: DeadLetterFilter) -> list[int]:
+        return [e.offset for e in (a, b, c) if where.matches(e)]
+
+    assert kept(DeadLetterFilter()) == [1, 2, 3]
+    assert kept(DeadLetterFilter(reason="bad_shape")) == [1, 3]
+    assert kept(DeadLetterFilter(device="cam-1")) == [1, 2]
+    assert kept(DeadLetterFilter(since=NOW - 50)) == [1]
+    assert kept(DeadLetterFilter(reason="bad_shape", device="cam-2", since=NOW - 100)) == [3]
+    assert DeadLetterFilter(reason="r", device="d").describe() == "reason=r device=d"
+
+
+def test_device_filter_falls_back_to_the_key_for_undecoded_requests() -> None:
+    undecoded = entry(4, reason="invalid_json", device=None, key=b"cam-9")
+
+    assert DeadLetterFilter(device="cam-9").matches(undecoded)
+
+
+def test_table_is_aligned_and_fits_the_width() -> None:
+    entries = [entry(1), entry(22, reason="undecodable_image", device="camera-front-door")]
+
+    lines = format_entries(entries, width=150).splitlines()
+
+    assert lines[0].split() == ["TIME", "DEVICE", "REQUEST_ID", "REASON", "STAGE", "MESSAGE",
+                                "SOURCE"]
+    assert all(len(line) <= 150 for line in lines)
+    starts = [line.index("inference-request[") for line in lines[1:]]
+    assert len(set(starts)) == 1 and lines[0].index("SOURCE") == starts[0]
+    assert "2027-01-15T08:00:00.000Z" in lines[1]  # NOW in UTC
+    assert "…" in lines[1]  # the long message was shortened
+    assert "inference-request[2]@122" in lines[2]
+    assert format_entries([], header=False) == ""
+    assert format_entries([]).split() == lines[0].split()
+
+
+def test_fixed_tables_line_up_across_calls() -> None:
+    head = format_entries([entry(1)], width=140, fixed=True).splitlines()
+    later = format_entries([entry(333, device="a-much-longer-device")], width=140, header=False,
+                           fixed=True)
+
+    assert later.index("inference-request[") == head[1].index("inference-request[")
+
+
+def test_to_dict_carries_the_original_bytes() -> None:
+    e = entry(5)
+
+    body = json.loads(json.dumps(e.to_dict()))
+
+    assert base64.b64decode(body["value"]) == b"\xff\x00orig-5\x80"
+    assert base64.b64decode(body["key"]) == b"cam-1"
+    assert body["error"]["reason"] == "bad_shape"
+    assert body["dlq"] == {"partition": 0, "offset": 5, "timestamp_ms": 0}
+
+
+# -- on the broker --------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def topics(kafka_broker: EmbeddedBroker, app_id: str) -> Settings:
+    settings = load_settings(broker=kafka_broker.url, topic_prefix=f"{app_id}.")
+    create_topics(kafka_broker.bootstrap_servers,
+                  {settings.dlq_topic: 3, settings.request_topic: 2})
+    return settings
+
+
+async def produce(servers: str, topic: str, records: list[tuple[bytes | None, bytes]],
+                  *, batched: bool = True) -> None:
+    """Publish in order; ``batched`` sends without waiting, so records share produce batches
+    (what makes Tansu's ListOffsets answer wrong)."""
+    producer = AIOKafkaProducer(bootstrap_servers=servers, acks="all", linger_ms=20)
+    await producer.start()
+    try:
+        futures = []
+        for key, value in records:
+            fut = await producer.send(topic, value, key=key)
+            if batched:
+                futures.append(fut)
+            else:
+                await fut
+        await asyncio.gather(*futures)
+    finally:
+        await producer.stop()
+
+
+async def publish_letters(settings: Settings, letters: list[DeadLetter]) -> None:
+    await produce(settings.bootstrap_servers, settings.dlq_topic,
+                  [(d.key, encode_dead_letter(d)) for d in letters])
+
+
+async def read_all(servers: str, topic: str, expect: int, timeout_s: float = 10.0,
+                   ) -> list[tuple[bytes | None, bytes]]:
+    consumer = AIOKafkaConsumer(bootstrap_servers=servers, group_id=None,
+                                auto_offset_reset="earliest", enable_auto_commit=False)
+    await consumer.start()
+    try:
+        parts = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic)
+                                                          or await _force(consumer, topic))]
+        consumer.assign(parts)
+        await consumer.seek_to_beginning(*parts)
+        out: list[tuple[bytes | None, bytes]] = []
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for records in (await consumer.getmany(timeout_ms=200)).values():
+                out.extend((r.key, r.value) for r in records)
+            if len(out) >= expect:
+                await asyncio.sleep(0.5)  # and nothing more arrives
+                for records in (await consumer.getmany(timeout_ms=300)).values():
+                    out.extend((r.key, r.value) for r in records)
+                break
+        return out
+    finally:
+        await consumer.stop()
+
+
+async def _force(consumer: AIOKafkaConsumer, topic: str) -> set[int]:
+    await consumer._client.force_metadata_update()
+    return consumer.partitions_for_topic(topic) or set()
+
+
+def mixed_letters() -> list[DeadLetter]:
+    """12 letters: 3 devices × (bad_shape, non_finite, bad_shape at NOW-3600, empty_key)."""
+    out = []
+    for d in range(3):
+        device = f"cam-{d}"
+        out += [
+            letter(10 * d + 1, "bad_shape", device, NOW),
+            letter(10 * d + 2, "non_finite", device, NOW),
+            letter(10 * d + 3, "bad_shape", device, NOW - 3600),
+            letter(10 * d + 4, "empty_key", device, NOW, key=None),
+        ]
+    return out
+
+
+@pytest.mark.kafka
+async def test_reads_every_letter_to_the_end_in_partition_order(topics: Settings) -> None:
+    letters = mixed_letters()
+    await publish_letters(topics, letters)
+
+    got = await read_dead_letters(topics.bootstrap_servers, topics.dlq_topic)
+
+    assert sorted(e.letter.request_id or "" for e in got) == sorted(
+        d.request_id or "" for d in letters
+    )
+    assert {e.letter.value for e in got} == {d.value for d in letters}
+    assert [(e.partition, e.offset) for e in got] == sorted((e.partition, e.offset) for e in got)
+    for device in ("cam-0", "cam-1", "cam-2"):  # keyed letters keep their order
+        mine = [e.letter.request_id for e in got if e.letter.key == device.encode()]
+        assert mine == sorted(mine, key=lambda r: int(str(r).split("-")[1]))
+
+
+@pytest.mark.kafka
+async def test_empty_topic_reads_to_an_empty_end_quickly(topics: Settings) -> None:
+    started = time.monotonic()
+
+    assert await read_dead_letters(topics.bootstrap_servers, topics.dlq_topic) == []
+    assert time.monotonic() - started < 5
+
+
+@pytest.mark.kafka
+async def test_missing_topic_is_a_clear_error(kafka_broker: EmbeddedBroker, app_id: str) -> None:
+    with pytest.raises(BrokerError, match="does not exist"):
+        await read_dead_letters(kafka_broker.bootstrap_servers, f"{app_id}.nope")
+
+
+@pytest.mark.kafka
+async def test_many_multi_record_batches_are_read_completely(topics: Settings) -> None:
+    # 600 letters sent without waiting: the producer packs them into multi-record batches,
+    # after which Tansu's ListOffsets "latest" is too small; the fetch high watermark is not.
+    letters = [letter(n, "bad_tensor", f"cam-{n % 7}", NOW) for n in range(600)]
+    await publish_letters(topics, letters)
+
+    got = await read_dead_letters(topics.bootstrap_servers, topics.dlq_topic)
+
+    assert len(got) == 600
+    assert {e.letter.request_id for e in got} == {f"req-{n}" for n in range(600)}
+
+
+@pytest.mark.kafka
+async def test_filters_on_the_broker(topics: Settings) -> None:
+    await publish_letters(topics, mixed_letters())
+
+    async def ids(**where: object) -> set[str | None]:
+        got = await read_dead_letters(topics.bootstrap_servers, topics.dlq_topic,
+                                      where=DeadLetterFilter(**where))  # type: ignore[arg-type]
+        return {e.letter.request_id for e in got}
+
+    assert await ids(reason="bad_shape") == {f"req-{n}" for n in (1, 3, 11, 13, 21, 23)}
+    assert await ids(reason="bad_shape", device="cam-1") == {"req-11", "req-13"}
+    assert await ids(reason="bad_shape", since=NOW - 60) == {"req-1", "req-11", "req-21"}
+    assert await ids(reason="empty_key", device="cam-2") == {"req-24"}
+    assert await ids(reason="no_such_reason") == set()
+
+
+@pytest.mark.kafka
+async def test_undecodable_records_are_skipped_and_counted(topics: Settings) -> None:
+    await produce(topics.bootstrap_servers, topics.dlq_topic,
+                  [(b"x", b"not a dead letter"), (b"cam-1", encode_dead_letter(letter(1)))],
+                  batched=False)
+
+    async with DeadLetterReader(topics.bootstrap_servers, topics.dlq_topic) as reader:
+        got = await reader.read_to_end()
+
+    assert [e.letter.request_id for e in got] == ["req-1"]
+    assert reader.skipped == 1
+
+
+@pytest.mark.kafka
+async def test_replay_republishes_original_key_and_value_byte_exact(topics: Settings) -> None:
+    letters = mixed_letters()
+    # Original values that are not even valid requests, and an empty one: bytes, not requests.
+    letters.append(letter(99, "bad_shape", "cam-1", NOW, value=b""))
+    await publish_letters(topics, letters)
+    where = DeadLetterFilter(reason="bad_shape", device="cam-1")
+
+    report = await replay_dead_letters(
+        topics.bootstrap_servers, topics.dlq_topic, topics.request_topic, where=where
+    )
+
+    expected = [(d.key, d.value) for d in letters
+                if d.error["reason"] == "bad_shape" and d.device_id == "cam-1"]
+    assert (report.matched, report.replayed, report.dry_run) == (3, 3, False)
+    assert report.request_topic == topics.request_topic
+    republished = await read_all(topics.bootstrap_servers, topics.request_topic, expect=3)
+    assert republished == expected  # one device: one partition, original order, exact bytes
+
+
+@pytest.mark.kafka
+async def test_replay_with_null_keys_and_since(topics: Settings) -> None:
+    letters = mixed_letters()
+    await publish_letters(topics, letters)
+
+    report = await replay_dead_letters(
+        topics.bootstrap_servers, topics.dlq_topic, topics.request_topic,
+        where=DeadLetterFilter(reason="empty_key", since=NOW - 1),
+    )
+
+    assert report.replayed == 3
+    republished = await read_all(topics.bootstrap_servers, topics.request_topic, expect=3)
+    assert sorted(republished, key=lambda r: r[1]) == sorted(
+        ((None, d.value) for d in letters if d.error["reason"] == "empty_key"),
+        key=lambda r: r[1],
+    )
+
+
+@pytest.mark.kafka
+async def test_dry_run_publishes_nothing(topics: Settings) -> None:
+    await publish_letters(topics, mixed_letters())
+
+    report = await replay_dead_letters(
+        topics.bootstrap_servers, topics.dlq_topic, topics.request_topic,
+        where=DeadLetterFilter(reason="non_finite"), dry_run=True,
+    )
+
+    assert (report.matched, report.replayed, report.dry_run) == (3, 0, True)
+    assert await read_all(topics.bootstrap_servers, topics.request_topic, expect=1,
+                          timeout_s=1.5) == []
+
+
+@pytest.mark.kafka
+async def test_follow_yields_letters_written_after_the_end(topics: Settings) -> None:
+    await publish_letters(topics, [letter(1)])
+    async with DeadLetterReader(topics.bootstrap_servers, topics.dlq_topic) as reader:
+        assert [e.letter.request_id for e in await reader.read_to_end()] == ["req-1"]
+        follow = reader.follow()
+        await publish_letters(topics, [letter(2), letter(3)])
+
+        later = [await asyncio.wait_for(anext(follow), 10) for _ in range(2)]
+        await follow.aclose()
+
+    assert [e.letter.request_id for e in later] == ["req-2", "req-3"]
+
+
+# -- the commands ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def runner() -> Iterator[CliRunner]:
+    saved = {k: v for k, v in os.environ.items() if k.startswith("STREAMAPP_")}
+    for k in saved:
+        del os.environ[k]
+    yield CliRunner()
+    os.environ.update(saved)
+
+
+def _args(settings: Settings, *more: str) -> list[str]:
+    return ["--broker", settings.broker, "--topic-prefix", settings.topic_prefix, *more]
+
+
+@pytest.mark.kafka
+async def test_cli_tail_table_and_json(topics: Settings, runner: CliRunner) -> None:
+    await publish_letters(topics, mixed_letters())
+
+    table = await asyncio.to_thread(
+        runner.invoke, cli, ["dlq", "tail", *_args(topics, "--reason", "bad_shape")]
+    )
+    as_json = await asyncio.to_thread(
+        runner.invoke, cli,
+        ["dlq", "tail", *_args(topics, "--device", "cam-2", "--limit", "2", "--json")],
+    )
+
+    assert table.exit_code == 0, table.output
+    rows = table.stdout.splitlines()
+    assert rows[0].split()[:4] == ["TIME", "DEVICE", "REQUEST_ID", "REASON"]
+    assert sorted(r.split()[2] for r in rows[1:]) == sorted(
+        f"req-{n}" for n in (1, 3, 11, 13, 21, 23)
+    )
+    # oldest first: the three from NOW - 3600
+    assert {r.split()[2] for r in rows[1:4]} == {"req-3", "req-13", "req-23"}
+    assert "6 shown of 6 matching (reason=bad_shape) of 12 dead letters" in table.stderr
+    assert as_json.exit_code == 0, as_json.output
+    lines = [json.loads(line) for line in as_json.stdout.splitlines()]
+    assert len(lines) == 2 and {d["device_id"] for d in lines} == {"cam-2"}
+    assert all(base64.b64decode(d["value"]).startswith(b"\xff\x00orig-2") for d in lines)
+    assert "2 shown of 4 matching (device=cam-2)" in as_json.stderr
+
+
+@pytest.mark.kafka
+async def test_cli_replay_prints_the_count(topics: Settings, runner: CliRunner) -> None:
+    await publish_letters(topics, mixed_letters())
+
+    dry = await asyncio.to_thread(
+        runner.invoke, cli, ["dlq", "replay", *_args(topics, "--reason", "non_finite",
+                                                       "--dry-run")]
+    )
+    real = await asyncio.to_thread(
+        runner.invoke, cli, ["dlq", "replay", *_args(topics, "--reason", "non_finite",
+                                                       "--device", "cam-0", "--since", "100000d")]
+    )
+
+    assert dry.exit_code == 0, dry.output
+    assert "would replay 3 dead letters (reason=non_finite)" in dry.stdout
+    assert real.exit_code == 0, real.output
+    assert "replayed 1 dead letters (reason=non_finite device=cam-0 since=" in real.stdout
+    assert topics.request_topic in real.stdout
+    republished = await read_all(topics.bootstrap_servers, topics.request_topic, expect=1)
+    assert republished == [(b"cam-0", b"\xff\x00orig-2\x80")]
+
+
+def test_cli_replay_requires_a_reason(runner: CliRunner) -> None:
+    result = runner.invoke(cli, ["dlq", "replay", "--broker", "kafka://127.0.0.1:1"])
+
+    assert result.exit_code == 2
+    assert "--reason" in result.output
+
+
+def test_cli_bad_since_exits_2(runner: CliRunner) -> None:
+    result = runner.invoke(cli, ["dlq", "tail", "--broker", "kafka://127.0.0.1:1",
+                                 "--since", "last tuesday"])
+
+    assert result.exit_code == 2
+    assert "ISO 8601" in result.output
