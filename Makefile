@@ -4,18 +4,21 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: help install demo test test-fast lint docs bench train clean
+.PHONY: help install demo test test-fast lint docs bench bench-smoke bench-backlog train clean
 
 help:
 	@echo "make demo   - broker + worker + 1,797 real digits from 16 devices, prints a summary"
 	@echo "make test   - the whole test suite (unit + integration on the embedded broker)"
 	@echo "make lint   - ruff and mypy"
+	@echo "make bench  - benchmarks on CPU: ceilings, product, seeds' comparison, backlog (~10 min)"
+	@echo "make bench-smoke   - the same code paths in under a minute (CI runs it as a test)"
+	@echo "make bench-backlog - worker RSS with 1,000,000 requests waiting, alone"
 	@echo "make train  - retrain the digits model (needs the 'train' extra: torch)"
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,bench]'
 	# tensorrt-stubs declares a dependency on tensorrt itself, which is not installable here;
 	# the stubs alone are enough for mypy.
 	$(BIN)/python -m pip install --quiet --no-deps 'tensorrt-stubs>=10.13'
@@ -33,8 +36,9 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not kafka and not slow"
 
 lint: $(STAMP)
-	$(BIN)/ruff check streamapp engines tests scripts
+	$(BIN)/ruff check streamapp engines tests scripts bench
 	$(BIN)/mypy
+	$(BIN)/python scripts/mypy_tensorrt.py
 
 train: $(STAMP)
 	$(BIN)/python -m pip install --quiet -e '.[train]'
@@ -45,3 +49,13 @@ clean:
 
 docs: $(STAMP)
 	$(BIN)/python scripts/update_readme.py
+
+# Benchmarks (bench/, issue 6). Results: JSON, report.txt and PNGs under bench-results/.
+bench: $(STAMP)
+	$(BIN)/python -m bench run --profile cpu --out bench-results/cpu
+
+bench-smoke: $(STAMP)
+	$(BIN)/python -m bench run --profile smoke --out bench-results/smoke
+
+bench-backlog: $(STAMP)
+	$(BIN)/python -m bench backlog --requests 1000000 --out bench-results/backlog

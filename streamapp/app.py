@@ -11,9 +11,16 @@ import logging
 from typing import Any
 
 import faust
+from faust.types import TP
 
 from streamapp.agents.pipeline import SourceMessage
-from streamapp.faust_compat import commit_offsets, committed_or_earliest, event_context, seek
+from streamapp.client import kafka_security_options, read_partition_range
+from streamapp.faust_compat import (
+    commit_offsets,
+    committed_or_earliest,
+    event_context,
+    set_fetch_max_wait,
+)
 from streamapp.retry import RetryRecord
 from streamapp.runtime import FaustSink, WorkerRuntime
 from streamapp.settings import Settings, load_settings
@@ -25,7 +32,7 @@ log = logging.getLogger(__name__)
 
 
 def faust_options(settings: Settings) -> dict[str, Any]:
-    """Faust app settings derived from ours (group timings per shared/BROKER.md).
+    """Faust app settings derived from ours (group timings per docs/broker.md).
 
     Security: ``broker_credentials`` is a ``faust.SSLCredentials`` (SSL), a
     ``faust.SASLCredentials`` (SASL_PLAINTEXT; with the TLS context for SASL_SSL), or absent
@@ -123,7 +130,7 @@ def create_app(settings: Settings | None = None) -> faust.App:
     }
     # Attempt counters, keyed by request_id like the retry topic (so they are co-partitioned).
     # Memory store + changelog: restored from the changelog on start; no persisted offsets that
-    # Tansu's wrong ListOffsets answer could contradict (shared/BROKER.md item 2).
+    # Tansu's wrong ListOffsets answer could contradict (docs/broker.md).
     retry_counts = app.Table(
         "retry_counts",
         schema=faust.Schema(key_type=bytes, key_serializer="raw", value_serializer="json"),
@@ -134,8 +141,17 @@ def create_app(settings: Settings | None = None) -> faust.App:
         conf,
         start_offset=lambda topic, partition: committed_or_earliest(app, topic, partition),
         commit=lambda offsets: commit_offsets(app, offsets),
-        seek=lambda topic, partition, offset: seek(app, topic, partition, offset),
+        read_range=lambda topic, partition, start, end: read_partition_range(
+            conf.bootstrap_servers, topic, partition, start, end,
+            security=kafka_security_options(conf),
+        ),
         flush=lambda: app.producer.flush(),
+        on_fatal=lambda exc: app.crash(exc),
+        position=lambda topic, partition: app.consumer.position(TP(topic, partition)),
+        assignment=lambda: {
+            (tp.topic, tp.partition) for tp in app.consumer.assignment()
+            if tp.topic in (conf.request_topic, conf.retry_topic)
+        },
     )
     sink = FaustSink(outputs)
     app.streamapp_runtime = runtime  # type: ignore[attr-defined]
@@ -144,16 +160,39 @@ def create_app(settings: Settings | None = None) -> faust.App:
     # Device tables, metrics and the web views (/health /ready /engines /metrics /devices ...).
     observers = install_state(app, conf, runtime)
 
+    @app.on_partitions_assigned.connect  # type: ignore[arg-type]
+    async def on_assigned(app_: Any, assigned: set[Any], **kwargs: Any) -> None:
+        set_fetch_max_wait(app, conf.fetch_max_wait_ms)
+        runtime.on_assigned()
+
+    @app.on_before_shutdown.connect  # type: ignore[arg-type]
+    async def on_shutdown(app_: Any, **kwargs: Any) -> None:
+        # Faust has stopped fetching but its consumer still runs: the last moment to commit.
+        await runtime.finish_for_shutdown()
+
     @app.on_partitions_revoked.connect  # type: ignore[arg-type]
     async def on_revoked(app_: Any, revoked: set[Any], **kwargs: Any) -> None:
         await runtime.on_revoked({(tp.topic, tp.partition) for tp in revoked})
 
-    def source_of(event: Any, ack: Any) -> SourceMessage:
-        message = event.message
-        return SourceMessage(
-            key=message.key, value=message.value, topic=message.topic,
-            partition=message.partition, offset=message.offset, ack=ack, event=event,
-        )
+    async def admitted(event: Any) -> list[SourceMessage]:
+        """The records to process for this event (more than one after a consumer gap)."""
+        m = event.message
+        return [
+            # records read to fill a gap share the partition, so this event serves their
+            # table writes too
+            SourceMessage(key=a.key, value=a.value, topic=m.topic, partition=m.partition,
+                          offset=a.offset, ack=a.ack, event=event)
+            for a in await runtime.admit(m.topic, m.partition, m.offset, m.key, m.value)
+        ]
+
+    async def process(message: SourceMessage) -> None:
+        """Records read to fill a gap found while idle (see WorkerRuntime.sweep_gaps)."""
+        if message.topic == conf.retry_topic:
+            await runtime.schedule_retry(message.value, message, retry_store)
+        elif runtime.pipeline is not None:
+            await runtime.pipeline.handle(message)
+
+    runtime.set_processor(process)
 
     @app.agent(request_topic, name="inference")
     async def inference(stream: faust.StreamT[bytes]) -> None:
@@ -162,10 +201,8 @@ def create_app(settings: Settings | None = None) -> faust.App:
         pipeline = await runtime.acquire(sink, retry_store, observers)
         try:
             async for event in stream.noack().events():  # type: ignore[attr-defined]
-                m = event.message
-                ack = await runtime.accept(m.topic, m.partition, m.offset)
-                if ack is not None:
-                    await pipeline.handle(source_of(event, ack))
+                for message in await admitted(event):
+                    await pipeline.handle(message)
         finally:
             await runtime.release()
 
@@ -174,10 +211,8 @@ def create_app(settings: Settings | None = None) -> faust.App:
         await runtime.acquire(sink, retry_store, observers)
         try:
             async for event in stream.noack().events():  # type: ignore[attr-defined]
-                m = event.message
-                ack = await runtime.accept(m.topic, m.partition, m.offset)
-                if ack is not None:
-                    await runtime.schedule_retry(m.value, source_of(event, ack), retry_store)
+                for message in await admitted(event):
+                    await runtime.schedule_retry(message.value, message, retry_store)
         finally:
             await runtime.release()
 

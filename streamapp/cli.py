@@ -10,7 +10,9 @@ from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
+from aiokafka.errors import KafkaError
 
+from engines.exceptions import EngineError
 from streamapp.exceptions import StreamAppError
 
 __all__ = ["cli", "main"]
@@ -81,6 +83,8 @@ def worker(
             topic_partitions=topic_partitions, web_port=web_port, web_bind=web_bind,
             data_dir=data_dir, log_level=log_level,
         )
+        app = create_app(settings)
+        app.streamapp_runtime.preload()  # type: ignore[attr-defined]
         # Create our topics with the configured partition count before Faust touches them:
         # brokers that auto-create topics (Tansu does) would otherwise pick their default.
         create_topics(
@@ -88,8 +92,7 @@ def worker(
             {t: settings.topic_partitions for t in settings.topics},
             security=kafka_security_options(settings),
         )
-        app = create_app(settings)
-    except StreamAppError as exc:
+    except (StreamAppError, EngineError) as exc:
         raise _fail(str(exc)) from None
     faust.Worker(app, loglevel=settings.log_level).execute_from_commandline()
 
@@ -122,13 +125,19 @@ def publish(
     n = count or len(images)
     indices = [i % len(images) for i in range(n)]
     requests = digits_requests(images, devices=devices, model=model, indices=indices)
-    sent = asyncio.run(
-        publish_requests(
-            settings.bootstrap_servers, settings.request_topic, requests,
-            codec=codec,  # type: ignore[arg-type]
-            rate_per_s=rate, progress=True, security=security,
+    try:
+        sent = asyncio.run(
+            publish_requests(
+                settings.bootstrap_servers, settings.request_topic, requests,
+                codec=codec,  # type: ignore[arg-type]
+                rate_per_s=rate, progress=True, security=security,
+            )
         )
-    )
+    except KafkaError as exc:
+        raise _fail(
+            f"cannot publish to {settings.bootstrap_servers}: {type(exc).__name__}: {exc}. "
+            "Is the broker running (streamapp broker) and --broker right?"
+        ) from None
     span = sent[-1].sent_at - sent[0].sent_at if len(sent) > 1 else 0.0
     typer.echo(
         f"published {len(sent)} frames from {devices} devices to {settings.request_topic} "
@@ -334,6 +343,36 @@ def dlq_replay(
             f"replayed {report.replayed} dead letters ({where.describe()}) to "
             f"{report.request_topic}"
         )
+
+
+# -- status (streamapp.status) -------------------------------------------------------------------
+
+
+@cli.command()
+def status(
+    urls: Annotated[Optional[list[str]], typer.Argument(
+        help="Worker web URLs (default: http://127.0.0.1:<STREAMAPP_WEB_PORT>).")] = None,
+    watch: Annotated[bool, typer.Option("--watch", "-w", help="Refresh until Ctrl-C.")] = False,
+    interval: Annotated[float, typer.Option(min=0.1, help="Seconds between the two scrapes "
+                        "that rates are computed from (and between refreshes).")] = 2.0,
+    top: Annotated[int, typer.Option(min=1, help="Devices to list.")] = 5,
+    discover: Annotated[bool, typer.Option(help="Also show every worker the first one's "
+                        "/cluster names.")] = True,
+) -> None:
+    """Terminal view of workers: throughput, DLQ rate, p50/p99, batch size, lag, top devices.
+
+    Exits 1 when a worker is unreachable or not ready (without --watch).
+    """
+    from streamapp.settings import load_settings
+    from streamapp.status import run_status
+
+    if not urls:
+        try:
+            urls = [f"http://127.0.0.1:{load_settings().web_port}"]
+        except StreamAppError as exc:
+            raise _fail(str(exc)) from None
+    raise typer.Exit(run_status(urls, interval_s=interval, watch=watch, top=top,
+                                discover_peers=discover))
 
 
 def main() -> None:

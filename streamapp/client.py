@@ -32,7 +32,9 @@ __all__ = [
     "load_digits_frames",
     "publish",
     "publish_values",
+    "read_partition_range",
     "ssl_context",
+    "start_or_close",
 ]
 
 
@@ -179,6 +181,16 @@ def digits_requests(
     return out
 
 
+async def start_or_close(client: Any) -> None:
+    """Start an aiokafka producer/consumer; if that fails, close it before re-raising (aiokafka
+    leaves a half-started client behind otherwise, and warns about it at exit)."""
+    try:
+        await client.start()
+    except BaseException:
+        await client.stop()
+        raise
+
+
 def _producer(bootstrap_servers: str, security: Mapping[str, Any] | None) -> AIOKafkaProducer:
     return AIOKafkaProducer(
         bootstrap_servers=bootstrap_servers, acks="all", linger_ms=2, request_timeout_ms=30_000,
@@ -211,7 +223,7 @@ async def publish(
         One :class:`SentRequest` per request, after the broker acknowledged all of them.
     """
     producer = _producer(bootstrap_servers, security)
-    await producer.start()
+    await start_or_close(producer)
     sent: list[SentRequest] = []
     futures = []
     bar = tqdm(total=len(requests), unit="frame", disable=not progress, desc="publish")
@@ -254,7 +266,7 @@ async def publish_values(
     ``security``: aiokafka security options (:func:`kafka_security_options`); None: plaintext.
     """
     producer = _producer(bootstrap_servers, security)
-    await producer.start()
+    await start_or_close(producer)
     try:
         for key, value in records:
             await (await producer.send(topic, value, key=key))
@@ -279,6 +291,46 @@ class Outcomes:
 
     def dead_letter_ids(self) -> set[str | None]:
         return {d.request_id for d in self.dead_letters}
+
+
+async def read_partition_range(
+    bootstrap_servers: str,
+    topic: str,
+    partition: int,
+    start: int,
+    end: int,
+    *,
+    security: dict[str, Any] | None = None,
+    timeout_s: float = 30.0,
+) -> list[tuple[int, bytes | None, bytes | None]]:
+    """Read the records ``start <= offset < end`` of one partition, outside any consumer group.
+
+    Returns:
+        ``(offset, key, value)`` in offset order; fewer than ``end - start`` when some no longer
+        exist (retention) or the timeout passed.
+    """
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap_servers, group_id=None, enable_auto_commit=False,
+        auto_offset_reset="earliest", **(security or {}),
+    )
+    await start_or_close(consumer)
+    out: list[tuple[int, bytes | None, bytes | None]] = []
+    try:
+        tp = TopicPartition(topic, partition)
+        consumer.assign([tp])
+        consumer.seek(tp, start)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            batch = await consumer.getmany(tp, timeout_ms=200, max_records=10_000)
+            for record in batch.get(tp, []):
+                if record.offset >= end:
+                    return out
+                out.append((record.offset, record.key, record.value))
+            if out and out[-1][0] >= end - 1:
+                return out
+    finally:
+        await consumer.stop()
+    return out
 
 
 async def collect_outcomes(
@@ -309,7 +361,7 @@ async def collect_outcomes(
         auto_offset_reset="earliest",
         **(security or {}),
     )
-    await consumer.start()
+    await start_or_close(consumer)
     outcomes = Outcomes()
     bar = tqdm(total=progress_total, unit="result", disable=progress_total is None, desc="results")
     try:

@@ -60,6 +60,8 @@ REASONS: dict[str, str] = {
     "inference_failed": "the engine failed on this request with a non-retriable error",
     "retries_exhausted": "transient failures persisted through max_retries retries",
     "invalid_retry_record": "a record in the retry topic was not written by streamapp",
+    "unproducible_outcome": "the result or dead letter could not be produced (e.g. too large)",
+    "internal_error": "a bug in streamapp; the log has the traceback",
 }
 
 #: Earliest capture time accepted in a request's ``ts`` (epoch seconds): 2001-01-01T00:00:00Z.
@@ -130,6 +132,12 @@ def _looks_like_msgpack_map(value: bytes) -> bool:
     return 0x80 <= first <= 0x8F or first in (0xDE, 0xDF)
 
 
+def _looks_like_msgpack_container(value: bytes) -> bool:
+    """A msgpack map or array header (JSON text never starts with these bytes)."""
+    first = value[0]
+    return _looks_like_msgpack_map(value) or 0x90 <= first <= 0x9F or first in (0xDC, 0xDD)
+
+
 def decode_request(
     value: bytes | None, *, max_request_bytes: int = 1 << 20, now: float | None = None
 ) -> InferenceRequest:
@@ -155,7 +163,7 @@ def decode_request(
             "too_large",
             f"the value is {len(value)} bytes, more than max_request_bytes={max_request_bytes}",
         )
-    binary = _looks_like_msgpack_map(value)
+    binary = _looks_like_msgpack_container(value)
     body: Any
     if binary:
         try:
@@ -166,7 +174,8 @@ def decode_request(
             ) from exc
     else:
         try:
-            body = json.loads(value)
+            # decode first: json.loads(bytes) would also accept UTF-16 and UTF-32
+            body = json.loads(value.decode("utf-8"))
         # RecursionError: the C scanner's answer to deeply nested arrays/objects ("[[[[...").
         # ValueError: also an integer literal longer than sys.get_int_max_str_digits() (4300).
         except (UnicodeDecodeError, ValueError, RecursionError) as exc:

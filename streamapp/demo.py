@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import signal
 import tempfile
 import time
 import uuid
@@ -171,6 +172,13 @@ def run_demo(
     tmp = Path(tempfile.mkdtemp(prefix="streamapp-demo-")) if workdir is None else workdir
     tmp.mkdir(parents=True, exist_ok=True)
     app_id = f"demo-{uuid.uuid4().hex[:8]}"
+    ok = False
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        # unwind through the with-blocks below so the broker and the worker are stopped too
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
         with EmbeddedBroker(log_path=tmp / "broker.log") as broker:
             print(f"broker   ready at {broker.bootstrap_servers} ({broker.startup_s:.2f} s)")
@@ -194,8 +202,11 @@ def run_demo(
             print(f"worker   stopped ({time.monotonic() - stopped:.1f} s)")
         return ok
     finally:
-        if workdir is None:
+        signal.signal(signal.SIGTERM, previous)
+        if workdir is None and ok:
             shutil.rmtree(tmp, ignore_errors=True)
+        elif workdir is None:
+            print(f"logs kept in {tmp} (broker.log, worker.log)")
 
 
 def _drive(

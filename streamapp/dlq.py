@@ -4,7 +4,7 @@ Used by ``streamapp dlq tail`` and ``streamapp dlq replay``, and by tests. The t
 plain aiokafka consumer (no group, nothing committed) from the beginning up to its end *as of the
 start of the read*. That end is the high watermark of the first fetch response of each partition,
 not a ListOffsets answer: Tansu answers ListOffsets "latest" wrongly after multi-record batches
-(shared/BROKER.md, item 2), and the fetch high watermark is right on every broker.
+(docs/broker.md), and the fetch high watermark is right on every broker.
 
 A replay re-publishes each matching dead letter's *original* key and value, byte for byte, to the
 request topic. The worker sees a brand-new request (attempt 0, no retry history), so a replay
@@ -28,7 +28,7 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.structs import ConsumerRecord
 
-from streamapp.client import _partitions
+from streamapp.client import _partitions, start_or_close
 from streamapp.codecs import decode_dead_letter
 from streamapp.exceptions import BrokerError
 from streamapp.records import DeadLetter
@@ -212,7 +212,7 @@ class DeadLetterReader:
         self._later: list[DeadLetterEntry] = []
 
     async def __aenter__(self) -> DeadLetterReader:
-        await self._consumer.start()
+        await start_or_close(self._consumer)
         try:
             try:
                 partitions = await _partitions(self._consumer, self.topic)
@@ -375,7 +375,7 @@ async def replay_dead_letters(
     producer = AIOKafkaProducer(
         bootstrap_servers=bootstrap_servers, acks="all", linger_ms=5, **(security or {})
     )
-    await producer.start()
+    await start_or_close(producer)
     try:
         # One send at a time per partition keeps order; the futures resolve on acknowledgement.
         futures = [

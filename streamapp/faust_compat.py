@@ -14,7 +14,12 @@ from typing import Any
 from faust.streams import _current_event
 from faust.types import TP
 
-__all__ = ["commit_offsets", "committed_or_earliest", "event_context", "seek"]
+__all__ = [
+    "commit_offsets",
+    "committed_or_earliest",
+    "event_context",
+    "set_fetch_max_wait",
+]
 
 
 @contextmanager
@@ -49,16 +54,34 @@ async def committed_or_earliest(app: Any, topic: str, partition: int) -> int:
     return int(next(iter(earliest.values()), 0) or 0)
 
 
-async def seek(app: Any, topic: str, partition: int, offset: int) -> None:
-    """Make the consumer read ``topic[partition]`` from ``offset`` again."""
-    await app.consumer.seek(TP(topic, partition), offset)
-
-
 async def commit_offsets(app: Any, offsets: dict[tuple[str, int], int]) -> bool:
     """Commit ``{(topic, partition): next offset}`` for the group, bypassing Faust's ack-based
     bookkeeping (see :mod:`streamapp.offsets`). Partitions no longer assigned are skipped by
     Faust's driver. Returns True when the broker accepted the commit."""
-    if not offsets:
-        return True
-    ok: bool = await app.consumer._commit({TP(t, p): o for (t, p), o in offsets.items()})
+    assigned = app.consumer.assignment()
+    # Only partitions still assigned: Faust's driver filters too, but hands aiokafka an empty
+    # dict when none is left, and aiokafka's ValueError then crashes Faust's consumer.
+    tps = {TP(t, p): o for (t, p), o in offsets.items() if TP(t, p) in assigned}
+    if not tps:
+        return False
+    ok: bool = await app.consumer._commit(tps)
     return ok
+
+
+def set_fetch_max_wait(app: Any, ms: float) -> bool:
+    """Set how long the worker's fetch requests wait for data (aiokafka ``fetch_max_wait_ms``).
+
+    Faust 0.15.3 creates its consumer with a fixed ``fetch_max_wait_ms=1500``. Kafka answers a
+    fetch as soon as data arrives, but the embedded broker holds it for the whole wait when the
+    partition was empty, so at light load every request waited up to 1.5 s. aiokafka reads the
+    value from its fetcher on every request, so changing it there takes effect at once.
+
+    Returns:
+        True when the consumer existed and was changed.
+    """
+    consumer = getattr(getattr(app.consumer, "_thread", None), "_consumer", None)
+    fetcher = getattr(consumer, "_fetcher", None)
+    if fetcher is None or not hasattr(fetcher, "_fetch_max_wait_ms"):
+        return False
+    fetcher._fetch_max_wait_ms = int(ms)
+    return True

@@ -8,7 +8,7 @@ are read when scraped.
 
 Consumer lag is ``high watermark - position`` per assigned request-topic partition, with the
 high watermark the consumer learnt from its last *fetch response*: on the embedded broker
-(Tansu) a ListOffsets answer is wrong after multi-record batches (``shared/BROKER.md``), while
+(Tansu) a ListOffsets answer is wrong after multi-record batches (``docs/broker.md``), while
 the fetch high watermark is right, and on Apache Kafka both agree.
 
 GPU gauges come from NVML (the ``nvidia-ml-py`` package, module ``pynvml``) when it imports and
@@ -40,7 +40,14 @@ from prometheus_client.registry import Collector
 from streamapp.agents.observer import Outcome
 from streamapp.batching import BatchInfo
 
-__all__ = ["CONTENT_TYPE_LATEST", "METRIC_FAMILIES", "GpuMonitor", "Metrics", "WorkerGauges"]
+__all__ = [
+    "CONTENT_TYPE_LATEST",
+    "METRIC_FAMILIES",
+    "GpuMonitor",
+    "Metrics",
+    "WorkerGauges",
+    "metrics_reference",
+]
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +105,14 @@ METRIC_FAMILIES: tuple[tuple[str, str, str, str], ...] = (
 )
 
 
+def metrics_reference() -> str:
+    """The Markdown table of :data:`METRIC_FAMILIES` (what the README shows)."""
+    rows = ["| metric | type | labels | meaning |", "|---|---|---|---|"]
+    for name, kind, labels, text in METRIC_FAMILIES:
+        rows.append(f"| `{name}` | {kind} | {labels or '—'} | {text} |")
+    return "\n".join(rows)
+
+
 def _batch_buckets(max_batch_size: int) -> tuple[float, ...]:
     edges = [1.0]
     while edges[-1] < max_batch_size:
@@ -137,7 +152,7 @@ class GpuMonitor:
 
     def sample(self) -> list[tuple[str, str, float, int, int]]:
         """``(index, name, utilisation 0-1, memory used bytes, memory total bytes)`` per GPU."""
-        out = []
+        out: list[tuple[str, str, float, int, int]] = []
         if self._nvml is None:
             return out
         for index, name, handle in self._handles:

@@ -6,11 +6,14 @@ import asyncio
 import logging
 import os
 import socket
+import time
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from engines.base import StreamEngine
 from engines.executor import Executor, ThreadExecutor
 from engines.registry import load_engine, resolve_backend
 from streamapp.agents.observer import PipelineObserver
@@ -21,16 +24,43 @@ from streamapp.offsets import TP, OffsetTracker
 from streamapp.retry import DelayScheduler, RetryRecord, RetryStore
 from streamapp.settings import Settings
 
-__all__ = ["FaustSink", "WorkerRuntime", "load_models"]
+__all__ = ["Admitted", "FaustSink", "WorkerRuntime", "load_models"]
 
 log = logging.getLogger(__name__)
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """A record to process: its ``ack`` marks it finished for the offset tracker."""
+
+    ack: Callable[[], None]
+    offset: int
+    key: bytes | None
+    value: bytes | None
+
+
+#: Seconds without any record read after which the consumer's position is compared with what was
+#: read, to find records skipped at the end of a partition.
+GAP_IDLE_S = 2.0
 
 #: Seconds a stopping worker waits for batches in flight to finish and be committed.
 DRAIN_TIMEOUT_S = 10.0
 
 
-def _make_executor(backend: str, model_path: str, settings: Settings) -> Executor:
-    engine = load_engine(backend, model_path, max_batch_size=settings.max_batch_size)
+def _make_executor(
+    backend: str, model_path: str, settings: Settings, options: dict[str, Any] | None = None
+) -> Executor:
+    """A GPU executor on CUDA streams for engines that can enqueue on a stream (TensorRT, the
+    PyTorch CUDA backend), else a thread executor (ONNX Runtime on CPU). ``options``: backend
+    options from the model's metadata (e.g. ``precision``)."""
+    engine = load_engine(
+        backend, model_path, max_batch_size=settings.max_batch_size, **(options or {})
+    )
+    if isinstance(engine, StreamEngine):
+        from engines.executor.cuda import CudaExecutor  # imports cuda-python
+
+        depth = max(1, -(-settings.max_inflight_batches // settings.cuda_streams))
+        return CudaExecutor(engine, streams=settings.cuda_streams, depth=depth,
+                            max_batch=settings.max_batch_size)
     return ThreadExecutor(engine, max_inflight=settings.max_inflight_batches)
 
 
@@ -46,7 +76,9 @@ def load_models(settings: Settings) -> dict[str, LoadedModel]:
     loaded = {}
     for name in settings.models:
         config = repo.get(name)
-        executor = _make_executor(backend, str(config.path), settings)
+        executor = _make_executor(
+            backend, str(config.path), settings, config.engine_options(backend)
+        )
         loaded[name] = LoadedModel(config, executor)
         log.info("loaded model %s v%s with %s", name, config.version, executor.engine.info.tag)
     return loaded
@@ -63,7 +95,8 @@ class WorkerRuntime:
         start_offset: ``async (topic, partition) -> offset`` where a newly assigned partition
             starts (the committed offset).
         commit: ``async ({(topic, partition): offset}) -> ok`` commits offsets for the group.
-        seek: ``async (topic, partition, offset)`` re-positions the consumer after a gap.
+        read_range: ``async (topic, partition, start, end) -> [(offset, key, value)]`` reads
+            records the consumer skipped (a gap), directly from the broker.
 
     Attributes:
         ready: True once every model is loaded and a warm-up batch ran on each.
@@ -75,8 +108,13 @@ class WorkerRuntime:
         *,
         start_offset: Callable[[str, int], Awaitable[int]],
         commit: Callable[[dict[TP, int]], Awaitable[bool]],
-        seek: Callable[[str, int, int], Awaitable[None]],
+        read_range: Callable[
+            [str, int, int, int], Awaitable[list[tuple[int, bytes | None, bytes | None]]]
+        ],
         flush: Callable[[], Awaitable[Any]] | None = None,
+        on_fatal: Callable[[BaseException], Awaitable[Any]] | None = None,
+        position: Callable[[str, int], Awaitable[int | None]] | None = None,
+        assignment: Callable[[], set[TP]] | None = None,
     ) -> None:
         self.settings = settings
         self.worker = settings.worker_name or f"{socket.gethostname()}:{os.getpid()}"
@@ -85,11 +123,20 @@ class WorkerRuntime:
         self.tracker = OffsetTracker(start_offset)
         self.ready = False
         self._commit = commit
-        self._seek = seek
+        self._read_range = read_range
+        self._position = position
+        self._assignment = assignment
+        self._process: Callable[[SourceMessage], Awaitable[None]] | None = None
+        self._tp_locks: dict[TP, asyncio.Lock] = {}
+        self._last_admit_at = 0.0
+        self._last_rebalance_at = 0.0
         self._flush = flush
+        self._on_fatal = on_fatal
+        self._preloaded: dict[str, LoadedModel] | None = None
         self._users = 0
         self._lock = asyncio.Lock()
         self._commit_task: asyncio.Task[None] | None = None
+        self._sweep_task: asyncio.Task[None] | None = None
         self._scheduler: DelayScheduler | None = None
         self.commits = 0
 
@@ -102,9 +149,17 @@ class WorkerRuntime:
         async with self._lock:
             self._users += 1
             if self.pipeline is None:
-                self.models = load_models(self.settings)
-                for name, model in self.models.items():
-                    await self._warm_up(name, model)
+                try:
+                    self.models = self._preloaded or load_models(self.settings)
+                    self._preloaded = None
+                    for name, model in self.models.items():
+                        await self._warm_up(name, model)
+                except Exception as exc:
+                    # A worker that cannot serve must not hold partitions: stop it.
+                    log.critical("cannot load the models, stopping the worker: %s", exc)
+                    if self._on_fatal is not None:
+                        await self._on_fatal(exc)
+                    raise
                 pipeline = InferencePipeline(
                     self.settings, self.models, sink, worker=self.worker,
                     retry_store=retry_store, observers=observers,
@@ -113,6 +168,8 @@ class WorkerRuntime:
                 self._scheduler = DelayScheduler(pipeline.handle)
                 self._scheduler.start()
                 self._commit_task = asyncio.create_task(self._commit_loop(), name="commits")
+                self._sweep_task = asyncio.create_task(self._sweep_loop(), name="gap-sweeper")
+                self._last_admit_at = time.monotonic()
                 self.pipeline = pipeline
                 self.ready = True
             return self.pipeline
@@ -133,17 +190,27 @@ class WorkerRuntime:
                     await asyncio.wait_for(self._flush(), DRAIN_TIMEOUT_S)
             except (TimeoutError, RuntimeError) as exc:
                 log.warning("stopping with requests in flight (%s); they will be redelivered", exc)
-            if self._commit_task is not None:
-                self._commit_task.cancel()
-                try:
-                    await self._commit_task
-                except asyncio.CancelledError:
-                    pass
+            for task in (self._sweep_task, self._commit_task):
+                if task is not None:
+                    task.cancel()
+                    try:
+                        await task
+                    except asyncio.CancelledError:
+                        pass
             await self.commit_now()
             await pipeline.stop(drain=False)
             for model in self.models.values():
                 await model.executor.close()
                 model.executor.engine.close()
+
+    def preload(self) -> None:
+        """Load the models now, before the worker starts (so that a bad model, backend or
+        device fails the start with one clear error instead of a crash loop).
+
+        Raises:
+            StreamAppError / EngineError: As :func:`load_models`.
+        """
+        self._preloaded = load_models(self.settings)
 
     async def _warm_up(self, name: str, model: LoadedModel) -> None:
         config = model.config
@@ -154,22 +221,105 @@ class WorkerRuntime:
 
     # -- offsets ----------------------------------------------------------------------------------
 
-    async def accept(self, topic: str, partition: int, offset: int) -> Callable[[], None] | None:
+    async def admit(
+        self, topic: str, partition: int, offset: int, key: bytes | None, value: bytes | None
+    ) -> list[Admitted]:
         """Check a record just read against the tracker.
 
         Returns:
-            Its ``ack`` callback when it must be processed, None when it must be skipped (already
-            read, or a gap was found and the consumer was sought back).
+            The records to process now, in offset order, each with its ``ack`` callback: the
+            record itself; nothing when it was already read; or, when the consumer skipped
+            records before it (a gap), those records — read directly from the broker — followed
+            by this one.
         """
-        decision, epoch = await self.tracker.on_read(topic, partition, offset)
-        if decision == "accept":
-            tracker = self.tracker
-            return lambda: tracker.done(topic, partition, offset, epoch)
-        if decision == "seek":
-            state = self.tracker.state((topic, partition))
-            if state is not None:
-                await self._seek(topic, partition, state.next_offset)
-        return None
+        self._last_admit_at = time.monotonic()
+        async with self._lock_for((topic, partition)):
+            decision, epoch = await self.tracker.on_read(topic, partition, offset)
+            if decision == "drop":
+                return []
+            admitted: list[Admitted] = []
+            if decision == "gap":
+                admitted += await self._read_gap(topic, partition, offset)
+                decision, epoch = await self.tracker.on_read(topic, partition, offset)
+            if decision == "accept":
+                admitted.append(
+                    Admitted(self._acker(topic, partition, offset, epoch), offset, key, value)
+                )
+            return admitted
+
+    async def _read_gap(self, topic: str, partition: int, end: int) -> list[Admitted]:
+        """Read and accept the records from the partition's next expected offset up to ``end``."""
+        state = self.tracker.state((topic, partition))
+        assert state is not None
+        missing = await self._read_range(topic, partition, state.next_offset, end)
+        admitted = []
+        for o, k, v in missing:
+            self.tracker.skip_to(topic, partition, o)  # only moves past deleted records
+            decision, epoch = await self.tracker.on_read(topic, partition, o)
+            if decision == "accept":
+                admitted.append(Admitted(self._acker(topic, partition, o, epoch), o, k, v))
+        state = self.tracker.state((topic, partition))
+        if state is not None and state.next_offset < end:
+            self.tracker.skip_to(topic, partition, end)
+        return admitted
+
+    def set_processor(self, process: Callable[[SourceMessage], Awaitable[None]]) -> None:
+        """How records recovered by :meth:`sweep_gaps` are processed (by topic: the pipeline,
+        or the retry scheduler)."""
+        self._process = process
+
+    def _lock_for(self, tp: TP) -> asyncio.Lock:
+        lock = self._tp_locks.get(tp)
+        if lock is None:
+            lock = self._tp_locks[tp] = asyncio.Lock()
+        return lock
+
+    async def sweep_gaps(self) -> int:
+        """Find records the consumer skipped at the *end* of a partition, where no later record
+        arrives to reveal the gap, and process them.
+
+        Only when no record was admitted for ``GAP_IDLE_S`` and the pipeline is not applying
+        backpressure: then nothing is waiting in Faust's buffers, and a consumer position beyond
+        the next expected offset means skipped records.
+
+        Returns:
+            How many records were recovered.
+        """
+        if self._position is None or self._assignment is None or self._process is None:
+            return 0
+        now = time.monotonic()
+        if now - max(self._last_admit_at, self._last_rebalance_at) < GAP_IDLE_S:
+            return 0  # records may still be in Faust's buffers, or partitions moving
+        pipeline = self.pipeline
+        if pipeline is None or pipeline.batcher.pending >= pipeline.batcher.max_pending:
+            return 0
+        recovered = 0
+        for tp in sorted(self._assignment()):
+            position = await self._position(*tp)
+            if position is None:
+                continue
+            async with self._lock_for(tp):
+                state = await self.tracker.ensure(*tp)
+                if position <= state.next_offset:
+                    continue
+                log.warning(
+                    "%s[%d]: the consumer is at offset %d but only %d were read: reading the "
+                    "skipped records so that none is lost", tp[0], tp[1], position,
+                    state.next_offset,
+                )
+                self.tracker.gaps_total += 1
+                admitted = await self._read_gap(tp[0], tp[1], position)
+                for a in admitted:
+                    await self._process(SourceMessage(
+                        key=a.key, value=a.value, topic=tp[0], partition=tp[1],
+                        offset=a.offset, ack=a.ack,
+                    ))
+                recovered += len(admitted)
+        return recovered
+
+    def _acker(self, topic: str, partition: int, offset: int, epoch: int) -> Callable[[], None]:
+        tracker = self.tracker
+        return lambda: tracker.done(topic, partition, offset, epoch)
 
     async def commit_now(self, only: set[TP] | None = None) -> None:
         """Commit every partition's finished prefix (or only those in ``only``)."""
@@ -191,8 +341,39 @@ class WorkerRuntime:
             await asyncio.sleep(interval)
             await self.commit_now()
 
+    async def _sweep_loop(self) -> None:
+        # its own task: a sweep that recovers many records must not hold up commits
+        while True:
+            await asyncio.sleep(GAP_IDLE_S / 2)
+            try:
+                await self.sweep_gaps()
+            except Exception:
+                log.exception("looking for skipped records failed; will try again")
+
+    async def finish_for_shutdown(self) -> None:
+        """On a clean stop, before the consumer goes: finish what is in flight (bounded by
+        ``DRAIN_TIMEOUT_S``), wait for the broker's acks, and commit, so that the partitions'
+        next owner does not process those records again."""
+        pipeline = self.pipeline
+        if pipeline is None:
+            return
+        if self._scheduler is not None:
+            await self._scheduler.stop()
+        try:
+            await asyncio.wait_for(pipeline.batcher.drain(), DRAIN_TIMEOUT_S)
+            if self._flush is not None:
+                await asyncio.wait_for(self._flush(), DRAIN_TIMEOUT_S)
+        except (TimeoutError, RuntimeError) as exc:
+            log.warning("stopping with requests in flight (%s); they will be redelivered", exc)
+        await self.commit_now()
+
+    def on_assigned(self) -> None:
+        """Partitions were (re)assigned."""
+        self._last_rebalance_at = time.monotonic()
+
     async def on_revoked(self, revoked: set[TP]) -> None:
         """Before partitions go to another worker: commit what finished, forget the rest."""
+        self._last_rebalance_at = time.monotonic()
         await self.commit_now(only=revoked)
         self.tracker.forget(revoked)
 

@@ -7,6 +7,8 @@ is read at import time: call :func:`load_settings` (or ``Settings()``) when you 
 
 from __future__ import annotations
 
+import difflib
+import os
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_origin
 
@@ -30,7 +32,7 @@ Backend = Literal["auto", "onnxruntime", "tensorrt", "torch", "faulty"]
 SecurityProtocol = Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]
 SaslMechanism = Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"]
 
-#: Defaults from shared/BROKER.md: with these a worker joins its group in about 5 s on Tansu
+#: Defaults from docs/broker.md: with these a worker joins its group in about 5 s on Tansu
 #: (Tansu holds each JoinGroup for half the session timeout).
 _FAST_GROUP = {"session_timeout_s": 6.0, "heartbeat_interval_s": 1.0, "rebalance_timeout_s": 6.0}
 
@@ -71,7 +73,15 @@ class Settings(BaseSettings):
     rebalance_timeout_s: float = Field(
         _FAST_GROUP["rebalance_timeout_s"], gt=0, description="Group rebalance timeout (s)."
     )
-    request_timeout_s: float = Field(30.0, gt=0, description="Kafka request timeout (s).")
+    request_timeout_s: float = Field(
+        30.0, gt=0, description="Kafka request timeout (s); must exceed session_timeout_s."
+    )
+    fetch_max_wait_ms: float = Field(
+        25.0, gt=0,
+        description="Longest a fetch waits for data (ms). Faust fixes 1500 ms; the embedded "
+        "broker always waits that long when a partition is idle, so it sets the latency floor "
+        "at light load.",
+    )
     group_instance_id: str = Field(
         "",
         description="Static group membership id (KIP-345), unique per worker and stable across "
@@ -95,6 +105,11 @@ class Settings(BaseSettings):
         "auto", description="Engine backend, or 'auto'. 'faulty' injects failures for tests only "
         "(rules in ENGINES_FAULTS, see engines.testing)."
     )
+    cuda_streams: int = Field(
+        2, ge=1,
+        description="CUDA streams of the GPU executor (GPU backends only); batches in flight "
+        "are spread over them, ceil(max_inflight_batches / cuda_streams) per stream.",
+    )
     models_dir: Path | None = Field(
         None, description="Model repository; default: the models bundled with streamapp."
     )
@@ -103,6 +118,11 @@ class Settings(BaseSettings):
     )
     max_request_bytes: int = Field(
         1_048_576, ge=64, description="Largest request value accepted (bytes)."
+    )
+    max_dead_letter_value_bytes: int = Field(
+        524_288, ge=0,
+        description="Larger original values are left out of dead letters (their size and sha256 "
+        "are kept): base64 makes them 4/3 as big and a Kafka record is limited (1 MB default).",
     )
     top_k: int = Field(3, ge=1, description="Labels with scores in each classification result.")
 
@@ -158,6 +178,13 @@ class Settings(BaseSettings):
     latency_ewma_alpha: float = Field(
         0.1, gt=0, le=1,
         description="Weight of the newest request in each device's latency EWMA.",
+    )
+    table_consistency_check: bool = Field(
+        False,
+        description="Refuse to start when a table's local offset is past the end of its "
+        "changelog (Faust's recovery_consistency_check). Off by default: the embedded broker "
+        "under-reports changelog ends after a crash (docs/broker.md); turn it on with Apache "
+        "Kafka.",
     )
 
     @model_validator(mode="after")
@@ -253,7 +280,18 @@ class Settings(BaseSettings):
             )
         if not self.models:
             raise ValueError("models is empty; name at least one model, e.g. 'digits'")
+        if self.request_timeout_s <= self.session_timeout_s:
+            raise ValueError(
+                f"request_timeout_s ({self.request_timeout_s}) must be larger than "
+                f"session_timeout_s ({self.session_timeout_s}) (Kafka clients require it); "
+                "raise STREAMAPP_REQUEST_TIMEOUT_S too"
+            )
         return self
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _lower_log_level(cls, value: Any) -> Any:
+        return value.lower() if isinstance(value, str) else value
 
     # -- Derived -----------------------------------------------------------------------------------
     def topic(self, name: str) -> str:
@@ -293,6 +331,10 @@ class Settings(BaseSettings):
         return ";".join(f"kafka://{s}" for s in self.bootstrap_servers.split(","))
 
 
+#: Prefix of the environment variables that set :class:`Settings` fields.
+ENV_PREFIX = "STREAMAPP_"
+
+
 def load_settings(**overrides: Any) -> Settings:
     """Build settings from the environment, with ``overrides`` (e.g. CLI flags) on top.
 
@@ -302,6 +344,19 @@ def load_settings(**overrides: Any) -> Settings:
         ConfigError: A value is invalid; the message names the field and the problem.
     """
     given = {k: v for k, v in overrides.items() if v is not None}
+    fields = Settings.model_fields
+    unknown = sorted(
+        name for name in os.environ
+        if name.startswith(ENV_PREFIX) and name[len(ENV_PREFIX):].lower() not in fields
+    )
+    if unknown:
+        known = [f"{ENV_PREFIX}{f.upper()}" for f in Settings.model_fields]
+        hints = [
+            f"{name} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(
+                name, known, n=1)) else name
+            for name in unknown
+        ]
+        raise ConfigError(f"unknown setting(s) in the environment: {', '.join(hints)}")
     try:
         return Settings(**given)
     except ValidationError as exc:

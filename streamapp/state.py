@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import faust
+from yarl import URL
 
 from streamapp.agents.observer import PipelineObserver
 from streamapp.metrics import Metrics, WorkerGauges
@@ -96,18 +97,23 @@ class WorkerState:
         highwater: dict[tuple[str, int], int] = {}
         assigned: dict[str, int] = dict.fromkeys(topics, 0)
         consumer = self.app.consumer
-        with contextlib.suppress(Exception):
+        tps = []
+        with contextlib.suppress(Exception):  # consumer not started yet
             tps = [tp for tp in consumer.assignment() if tp.topic in topics]
-            for tp in tps:
-                assigned[tp.topic] += 1
-                # The fetch response's high watermark: right on Tansu, unlike ListOffsets.
+        for tp in tps:
+            assigned[tp.topic] += 1
+            try:
+                # The high watermark of the last fetch response: right on Tansu, unlike the
+                # ListOffsets answer (docs/broker.md); None until the partition was fetched.
                 hw = consumer.highwater(tp)
-                if hw is None:
-                    continue
-                highwater[(tp.topic, tp.partition)] = int(hw)
-                position = await consumer.position(tp)
-                if position is not None:
-                    lag[(tp.topic, tp.partition)] = max(0, int(hw) - int(position))
+                position = await consumer.position(tp) if hw is not None else None
+            except Exception:  # e.g. revoked between assignment() and here
+                continue
+            if hw is None:
+                continue
+            highwater[(tp.topic, tp.partition)] = int(hw)
+            if position is not None:
+                lag[(tp.topic, tp.partition)] = max(0, int(hw) - int(position))
         gauges.lag, gauges.highwater, gauges.assigned = lag, highwater, assigned
 
 
@@ -130,7 +136,8 @@ def install_state(app: faust.App, settings: Settings, runtime: Any) -> list[Pipe
 
     # Routing needs the URL peers reach us at (Faust derives it from web_host at app creation,
     # where ours is the bind address; a wildcard bind would advertise 0.0.0.0).
-    app.conf.canonical_url = f"http://{advertised_host(settings)}:{settings.web_port}"
+    app.conf.canonical_url = URL(f"http://{advertised_host(settings)}:{settings.web_port}")
+    app.conf.recovery_consistency_check = settings.table_consistency_check
     plan = WindowPlan.from_settings(settings)
     tables = define_tables(app, settings)
     observer = DeviceStateObserver(

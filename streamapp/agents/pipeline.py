@@ -21,6 +21,7 @@ can duplicate but never lose a request.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 import traceback
@@ -36,7 +37,7 @@ from engines.executor import Executor
 from streamapp.agents.observer import Outcome, OutcomeKind, PipelineObserver
 from streamapp.batching import BatchInfo, Completion, MicroBatcher
 from streamapp.codecs import check_key, decode_request, encode_dead_letter, encode_result
-from streamapp.exceptions import InvalidRequestError, StreamAppError
+from streamapp.exceptions import InternalError, InvalidRequestError, StreamAppError
 from streamapp.models import ModelConfig
 from streamapp.records import DeadLetter, InferenceRequest, InferenceResult
 from streamapp.retry import MemoryRetryStore, RetryRecord, RetryStore, backoff_s
@@ -71,6 +72,12 @@ class SourceMessage:
     event: Any = None
     retry: RetryRecord | None = None
 
+    def __repr__(self) -> str:  # never the whole value: it can be megabytes
+        return (
+            f"<{self.topic}[{self.partition}]@{self.offset} key={self.key!r:.40} "
+            f"value={len(self.value or b'')} bytes>"
+        )
+
 
 class Sink(Protocol):
     """Where outcomes go: ``send`` hands a record to the producer and returns an awaitable that
@@ -94,9 +101,9 @@ class LoadedModel:
 @dataclass(slots=True)
 class _Work:
     source: SourceMessage
-    request: InferenceRequest | None = None
-    model: LoadedModel | None = None
-    array: np.ndarray | None = None
+    request: InferenceRequest | None = field(default=None, repr=False)
+    model: LoadedModel | None = field(default=None, repr=False)
+    array: np.ndarray | None = field(default=None, repr=False)
 
     @property
     def attempt(self) -> int:
@@ -186,6 +193,10 @@ class InferencePipeline:
             work.array = work.model.config.preprocess(work.request)
         except InvalidRequestError as exc:
             await self.batcher.put_done(work, exc)
+            return
+        except Exception as exc:  # a bug of ours must not stop the partition: DLQ it, log it
+            log.exception("internal error while decoding %s", message)
+            await self.batcher.put_done(work, InternalError(f"{type(exc).__name__}: {exc}"))
             return
         await self.batcher.put(work, key=work.request.model)
 
@@ -279,7 +290,14 @@ class InferencePipeline:
             topic, key, value, outcome = self._dead_letter(work, error)
         if retry is not None and outcome.kind != "retry":
             self.retry_store.finish(retry.request_id, source.event)  # the request is finished
-        ack_future = await self.sink.send(topic, key, value)
+        try:
+            ack_future = await self.sink.send(topic, key, value)
+        except Exception as exc:
+            # The outcome itself cannot be produced (e.g. larger than the producer's maximum
+            # request size): say so in a small dead letter instead of leaving the record
+            # unanswered, which would also stall its partition's commits.
+            topic, key, value, outcome = self._unproducible(work, topic, value, exc)
+            ack_future = await self.sink.send(topic, key, value)
         self._after_send(ack_future, topic, source)
         for observer in self.observers:
             if completion.batch is not None and completion.batch.batch_id not in \
@@ -319,6 +337,21 @@ class InferencePipeline:
         if add_done_callback is None:
             raise TypeError(f"sink.send must return a future, got {type(ack_future).__name__}")
         add_done_callback(on_produced)
+
+    def _unproducible(
+        self, work: _Work, topic: str, value: bytes, error: BaseException
+    ) -> tuple[str, bytes | None, bytes, Outcome]:
+        log.error(
+            "cannot produce the outcome of %s to %s (%d bytes): %s: %s; sending a dead letter "
+            "without the original value instead", work.source, topic, len(value),
+            type(error).__name__, error,
+        )
+        failure = InvalidRequestError(
+            "unproducible_outcome",
+            f"the {topic} record for this request could not be produced "
+            f"({type(error).__name__}: {error}); the original value is omitted",
+        )
+        return self._dead_letter(work, failure, keep_value=False)
 
     def _should_retry(self, work: _Work, error: BaseException) -> bool:
         retriable = getattr(error, "retriable", False)
@@ -450,7 +483,7 @@ class InferencePipeline:
 
     def _dead_letter(
         self, work: _Work, error: BaseException, errors: list[dict[str, Any]] | None = None,
-        reason: str | None = None,
+        reason: str | None = None, keep_value: bool = True,
     ) -> tuple[str, bytes | None, bytes, Outcome]:
         own_reason, stage = self._reason(work, error)
         reason = reason or own_reason
@@ -464,8 +497,16 @@ class InferencePipeline:
             "dead letter %s from %s[%d]@%d: %s",
             reason, source.topic, source.partition, source.offset, error,
         )
+        original = previous.value if previous else (source.value or b"")
+        extra: dict[str, Any] = {}
+        if not keep_value or len(original) > self.settings.max_dead_letter_value_bytes:
+            # base64 grows it by 4/3: a large original would not fit in one Kafka record
+            extra["value_omitted"] = {
+                "bytes": len(original), "sha256": hashlib.sha256(original).hexdigest(),
+            }
+            original = b""
         letter = DeadLetter(
-            value=previous.value if previous else (source.value or b""),
+            value=original,
             key=previous.key if previous else source.key,
             error={"reason": reason, "type": type(error).__name__, "message": str(error),
                    "stage": stage},
@@ -477,6 +518,7 @@ class InferencePipeline:
             device_id=work.request.device_id if work.request else None,
             worker=self.worker,
             errors=errors,
+            extra=extra,
         )
         return (
             self.settings.dlq_topic, letter.key, encode_dead_letter(letter),

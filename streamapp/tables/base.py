@@ -52,7 +52,7 @@ class DeviceTables(Protocol):
 
     def delete_bucket(self, key: bytes) -> None: ...
 
-    def flushed(self) -> None:
+    async def flushed(self) -> None:
         """Called after each flush (once per batch) when the writes of that flush are done."""
         ...
 

@@ -5,7 +5,7 @@ is a dict update) and writes each touched device's rows once per batch
 (:meth:`~DeviceStateObserver.flush`): one stats row and one bucket per window series, plus the
 deletion of buckets that expired. Faust's per-write cost (a RocksDB put and a changelog record)
 is what limits a table-updating agent to a few thousand messages per second
-(``shared/BROKER.md``); batching the writes keeps tables off the critical path.
+(``docs/broker.md``); batching the writes keeps tables off the critical path.
 
 A device is identified by its **record key** (raw bytes) when the outcome came from the request
 topic — the key routing and partitioning use — and by the request's ``device_id`` otherwise
@@ -123,7 +123,7 @@ class DeviceStateObserver:
             except Exception:
                 self.stats.failures += 1
                 log.exception("could not update the tables of device %r", key)
-        self.tables.flushed()
+        await self.tables.flushed()
 
     def _write(self, key: bytes, delta: DeviceDelta, event: Any, now: float) -> None:
         tables = self.tables

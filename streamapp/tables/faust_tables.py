@@ -14,7 +14,7 @@ stand-in that names the request-topic partition the device's key hashes to with 
 default partitioner (murmur2), which is where its requests are read from.
 
 **Sealing the changelog (embedded broker).** Tansu answers "latest offset" (ListOffsets) with the
-start of the last stored *batch* + 1 (``shared/BROKER.md`` item 2). Faust reads that as the end
+start of the last stored *batch* + 1 (``docs/broker.md``). Faust reads that as the end
 of a changelog partition, so after a multi-record batch it (a) stops restoring a table too early,
 losing the rest of that batch, and (b) can refuse to start with ``ConsistencyError`` because
 the local offset is past that "end". Both are harmless when the last batch of each partition
@@ -76,15 +76,20 @@ class _StandInEvent:
 
 
 class ChangelogSealer:
-    """Ends each written changelog partition with a one-record batch once writes pause.
+    """Ends each written changelog partition with a one-record batch when writes pause.
+
+    Sealing happens (1) after :data:`SEAL_IDLE_S` without table writes, off the pipeline's path;
+    (2) when the worker starts stopping (Faust's ``on_before_shutdown``, before its producer
+    stops) and inline after every later flush (the pipeline's final drain waits for it); (3)
+    when partitions are revoked, before their new owner reads the changelog end.
 
     Args:
-        app: The Faust app (its producer).
+        app: The Faust app (its producer and assignment).
         tables: The tables whose changelogs are sealed.
-        idle_s: Seconds without a :meth:`flushed` call before sealing.
+        idle_s: Seconds without a flush before sealing.
 
     Attributes:
-        seals: Partitions sealed so far (one tombstone per table each).
+        seals: Partition seals written so far (one tombstone per table each).
     """
 
     def __init__(self, app: faust.App, tables: Sequence[Any], idle_s: float = SEAL_IDLE_S) -> None:
@@ -95,58 +100,63 @@ class ChangelogSealer:
         self._dirty: set[int] = set()
         self._generation = 0
         self._timer: asyncio.TimerHandle | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._task: asyncio.Task[int] | None = None
 
     def touched(self, partition: int) -> None:
-        """A row of ``partition`` was written."""
+        """A row of ``partition`` is being written."""
         self._dirty.add(partition)
-
-    def flushed(self) -> None:
-        """A flush ended: (re)start the idle timer."""
         self._generation += 1
+
+    async def flushed(self) -> None:
+        """A flush ended: seal now when the worker is stopping, else (re)start the idle timer."""
         if self._timer is not None:
             self._timer.cancel()
-        loop = asyncio.get_running_loop()
-        self._timer = loop.call_later(self.idle_s, self._start)
+            self._timer = None
+        if getattr(self.app, "should_stop", False):
+            await self.seal(wait=True)
+            return
+        self._timer = asyncio.get_running_loop().call_later(self.idle_s, self._on_idle)
 
-    def _start(self) -> None:
+    def _on_idle(self) -> None:
         self._timer = None
         if self._task is None or self._task.done():
             self._task = asyncio.ensure_future(self.seal())
 
-    async def seal(self) -> int:
-        """Seal the written partitions now, unless more writes arrive while earlier records are
-        being delivered (the next idle period seals then). Returns the partitions sealed."""
+    async def seal(self, *, wait: bool = False) -> int:
+        """Seal the partitions written since the last seal.
+
+        First waits until every record already handed to the producer is delivered; if rows are
+        written meanwhile, gives up (the next idle period or flush seals). The tombstones are then
+        queued with no await in between, so nothing else of ours can join their batches.
+
+        Args:
+            wait: Also wait until the tombstones are delivered.
+
+        Returns:
+            How many partitions were sealed.
+        """
         generation = self._generation
-        log.info("SEALDBG before flush size %s", self.app.producer.buffer.size)
+        producer = self.app.producer
         try:
-            await self.app.producer.flush()
-            log.info("SEALDBG after flush size %s", self.app.producer.buffer.size)
-        except Exception as exc:  # stopping: the producer is gone
+            for _ in range(20):  # Faust's buffer flush gives up after 0.1 s without progress
+                await producer.flush()
+                if producer.buffer.size == 0:
+                    break
+        except Exception as exc:  # the producer is stopped
             log.debug("changelog seal skipped: %s", exc)
             return 0
         if generation != self._generation or not self._dirty:
-            log.info("SEALDBG skip gen %s/%s dirty %s", generation, self._generation, self._dirty)
             return 0
         owned = self._owned()
-        partitions = sorted(self._dirty & owned) if owned is not None else sorted(self._dirty)
+        partitions = sorted(self._dirty if owned is None else self._dirty & owned)
         self._dirty.clear()
-        # No await from the flush above to here: nothing else of ours can be queued for these
-        # partitions, so each tombstone starts (and, until the next write, ends) its own batch.
-        futs = []
         for table in self.tables:
             for partition in partitions:
-                futs.append(table.send_changelog(partition, SEAL_KEY, None, value_serializer="raw"))
-        async def _dbg():
-            for f in futs:
-                try:
-                    r = await asyncio.wait_for(asyncio.shield(f), 5)
-                    log.info("SEALDBG delivered %s", r)
-                except BaseException as e:
-                    log.info("SEALDBG failed %r", e)
-        asyncio.ensure_future(_dbg())
+                table.send_changelog(partition, SEAL_KEY, None, value_serializer="raw")
         self.seals += len(partitions)
-        log.info("SEALDBG sealed %s owned %s", partitions, owned)
+        if wait:
+            with contextlib.suppress(Exception):
+                await producer.flush()
         return len(partitions)
 
     def _owned(self) -> set[int] | None:
@@ -178,6 +188,14 @@ class FaustDeviceTables:
         self.partitions = partitions
         self.sealer = ChangelogSealer(app, [stats, windows])
 
+        @app.on_partitions_revoked.connect  # type: ignore[arg-type]
+        async def _seal_on_revoke(app_: Any, revoked: Any, **kwargs: Any) -> None:
+            await self.sealer.seal(wait=True)
+
+        @app.on_before_shutdown.connect  # type: ignore[arg-type]
+        async def _seal_on_shutdown(app_: Any, **kwargs: Any) -> None:
+            await self.sealer.seal(wait=True)
+
     def partition_of(self, device_key: bytes) -> int:
         """The request-topic partition Kafka's default partitioner gives ``device_key``."""
         n = None
@@ -201,8 +219,8 @@ class FaustDeviceTables:
         with event_context(event):
             yield
 
-    def flushed(self) -> None:
-        self.sealer.flushed()
+    async def flushed(self) -> None:
+        await self.sealer.flushed()
 
     def get_stats(self, device_key: bytes) -> dict[str, Any] | None:
         row: dict[str, Any] | None = self.stats.get(device_key)

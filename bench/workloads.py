@@ -1,0 +1,139 @@
+"""What the benchmark sends: digits tensors, ResNet-50 JPEG images, pre-processed tensors.
+
+Each workload gives a :data:`bench.load.PayloadFn` (request ``n`` at time ``ts`` →
+``(key, value)``, msgpack: raw bytes, as a gateway in front of cameras would send) over 16
+devices, and the model the worker must load.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+
+__all__ = ["DEVICES", "Workload", "forwarded_parse", "result_parse", "workload"]
+
+DEVICES = 16
+
+#: scikit-image's bundled colour photos (no download): natural images of 300–640 px.
+SAMPLE_IMAGES = ("astronaut", "chelsea", "coffee", "rocket", "immunohistochemistry", "logo",
+                 "colorwheel")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A request stream for one model.
+
+    Attributes:
+        name: ``digits``, ``resnet50-image`` or ``resnet50-tensor``.
+        model: Model name in the worker's repository.
+        models_dir: The repository (None: the bundled one).
+        payload: ``(n, ts) -> (key, value)``.
+        payload_bytes: Mean value size.
+        describe: One line for the report.
+    """
+
+    name: str
+    model: str
+    models_dir: Path | None
+    payload: Callable[[int, float], tuple[bytes, bytes]]
+    payload_bytes: int
+    describe: str
+
+
+def _payload_fn(model: str, inputs: list[dict[str, Any]], run: str
+                ) -> Callable[[int, float], tuple[bytes, bytes]]:
+    keys = [f"device-{d:02d}" for d in range(DEVICES)]
+    key_bytes = [k.encode() for k in keys]
+    packb = msgpack.packb
+
+    def payload(n: int, ts: float) -> tuple[bytes, bytes]:
+        d = n % DEVICES
+        body = {"request_id": f"{run}-{n}", "device_id": keys[d], "seq": n // DEVICES,
+                "ts": ts, "model": model, **inputs[n % len(inputs)]}
+        return key_bytes[d], packb(body, use_bin_type=True)
+
+    return payload
+
+
+def _digits_inputs() -> list[dict[str, Any]]:
+    from streamapp.client import load_digits_frames
+
+    images, _ = load_digits_frames()
+    return [{"tensor": {"dtype": "uint8", "shape": [8, 8], "data": im.tobytes()}}
+            for im in images]
+
+
+@cache
+def sample_jpegs(quality: int = 90) -> list[bytes]:
+    """scikit-image's bundled colour photos, encoded as JPEG (Pillow, ``quality``)."""
+    import skimage.data
+    from PIL import Image
+
+    out = []
+    for name in SAMPLE_IMAGES:
+        array = getattr(skimage.data, name)()
+        if array.ndim != 3:
+            continue
+        buf = io.BytesIO()
+        Image.fromarray(np.ascontiguousarray(array[..., :3])).save(buf, "JPEG", quality=quality)
+        out.append(buf.getvalue())
+    return out
+
+
+def workload(name: str, *, run: str, models_dir: Path | None = None,
+             tensor_dtype: str = "float16") -> Workload:
+    """Build a workload; ``run`` prefixes request ids."""
+    if name == "digits":
+        inputs = _digits_inputs()
+        return _make(name, "digits", None, inputs, run,
+                     "scikit-learn digits, uint8[8, 8] tensors, msgpack")
+    if name in ("resnet50-image", "resnet50-tensor"):
+        from streamapp.models import ModelRepository
+
+        jpegs = sample_jpegs()
+        if name == "resnet50-image":
+            inputs = [{"image": j} for j in jpegs]
+            sizes = f"{min(map(len, jpegs)) // 1000}-{max(map(len, jpegs)) // 1000} kB"
+            return _make(name, "resnet50", models_dir, inputs, run,
+                         f"{len(jpegs)} scikit-image photos as JPEG ({sizes}), decoded, resized "
+                         "and normalized in the worker, msgpack")
+        config = ModelRepository(models_dir).get("resnet50")
+        assert config.image is not None
+        inputs = []
+        for j in jpegs:
+            array = config.image.to_array(j).astype(tensor_dtype)
+            inputs.append({"tensor": {"dtype": tensor_dtype, "shape": list(array.shape),
+                                      "data": array.tobytes()}})
+        return _make(name, "resnet50", models_dir, inputs, run,
+                     f"the same photos pre-processed at the gateway: {tensor_dtype}[3, 224, 224] "
+                     "tensors, msgpack")
+    raise ValueError(f"unknown workload {name!r}")
+
+
+def _make(name: str, model: str, models_dir: Path | None, inputs: list[dict[str, Any]],
+          run: str, describe: str) -> Workload:
+    payload = _payload_fn(model, inputs, run)
+    size = int(np.mean([len(payload(i, 1.8e9)[1]) for i in range(min(len(inputs), 64))]))
+    return Workload(name, model, models_dir, payload, size, describe)
+
+
+def result_parse(value: bytes) -> tuple[float, int | None]:
+    """A result record → (request ts, batch size). ``ts − e2e_ms`` is the request's ``ts``."""
+    if value[:1] == b"{":
+        r = json.loads(value)
+    else:
+        r = msgpack.unpackb(value, raw=False)
+    return r["ts"] - r["e2e_ms"] / 1000.0, r["batch_size"]
+
+
+def forwarded_parse(value: bytes) -> tuple[float, int | None]:
+    """A forwarded request (msgpack) → (its ts, None)."""
+    return msgpack.unpackb(value, raw=False)["ts"], None

@@ -1,0 +1,304 @@
+"""``streamapp status``: a terminal view of one or all workers, from their web APIs.
+
+For each worker it reads ``/ready``, ``/metrics`` twice (``interval_s`` apart, for rates) and
+``/devices?sort=-total``, then shows throughput (finished requests per second), dead-letter rate,
+end-to-end latency p50/p99 over the interval (from the ``streamapp_latency_seconds`` histogram,
+interpolated within buckets as Prometheus' ``histogram_quantile`` does), mean batch size,
+in-flight batches, consumer lag and partitions, plus the busiest devices. With discovery on, the
+first worker's ``/cluster`` names the others.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
+
+__all__ = ["Snapshot", "WorkerStatus", "collect", "histogram_quantile", "render", "run_status"]
+
+#: Seconds one HTTP request to a worker may take.
+HTTP_TIMEOUT_S = 5.0
+
+Labels = tuple[tuple[str, str], ...]
+
+
+@dataclass
+class Snapshot:
+    """One scrape of a worker: samples by name and sorted labels, and when it was taken."""
+
+    at: float
+    samples: dict[str, dict[Labels, float]] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, text: str, at: float) -> Snapshot:
+        snap = cls(at)
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                snap.samples.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
+        return snap
+
+    def total(self, name: str, where: Callable[[dict[str, str]], bool] = lambda _: True) -> float:
+        return sum(v for labels, v in self.samples.get(name, {}).items() if where(dict(labels)))
+
+    def buckets(self, name: str, **match: str) -> dict[float, float]:
+        """Cumulative histogram buckets ``{le: count}`` summed over series matching ``match``."""
+        out: dict[float, float] = {}
+        for labels, v in self.samples.get(f"{name}_bucket", {}).items():
+            d = dict(labels)
+            if all(d.get(k) == want for k, want in match.items()):
+                le = float(d["le"])
+                out[le] = out.get(le, 0.0) + v
+        return out
+
+
+def histogram_quantile(q: float, buckets: Mapping[float, float]) -> float | None:
+    """The ``q`` quantile of a cumulative histogram, interpolating linearly within the bucket
+    that holds it (Prometheus' ``histogram_quantile``); None without observations. A quantile in
+    the ``+Inf`` bucket is reported as the largest finite bound."""
+    edges = sorted(buckets)
+    if not edges or buckets[edges[-1]] <= 0:
+        return None
+    rank = q * buckets[edges[-1]]
+    lower, below = 0.0, 0.0
+    for le in edges:
+        count = buckets[le]
+        if count >= rank:
+            if math.isinf(le):
+                return lower
+            if count == below:
+                return le
+            return lower + (le - lower) * (rank - below) / (count - below)
+        lower, below = (le if not math.isinf(le) else lower), count
+    return lower
+
+
+def _delta(after: Mapping[float, float], before: Mapping[float, float]) -> dict[float, float]:
+    return {le: after[le] - before.get(le, 0.0) for le in after}
+
+
+@dataclass
+class WorkerStatus:
+    """What ``status`` shows for one worker (rates over the sampling interval)."""
+
+    url: str
+    worker: str = "?"
+    ready: bool | None = None
+    error: str | None = None
+    partitions: int = 0
+    throughput_per_s: float = 0.0
+    results_per_s: float = 0.0
+    dead_letters_per_s: float = 0.0
+    dlq_ratio: float = 0.0
+    retries_per_s: float = 0.0
+    p50_ms: float | None = None
+    p99_ms: float | None = None
+    mean_batch: float | None = None
+    inflight: int = 0
+    lag: int = 0
+    finished_total: int = 0
+    top_devices: list[dict[str, Any]] = field(default_factory=list)
+
+
+_FINAL = ("result", "dead_letter")
+
+
+def summarize(url: str, before: Snapshot, after: Snapshot) -> WorkerStatus:
+    """Rates and quantiles between two scrapes of one worker."""
+    dt = max(after.at - before.at, 1e-9)
+
+    def rate(name: str, where: Callable[[dict[str, str]], bool] = lambda _: True) -> float:
+        return max(0.0, after.total(name, where) - before.total(name, where)) / dt
+
+    status = WorkerStatus(url)
+    final = lambda labels: labels.get("outcome") in _FINAL  # noqa: E731
+    status.throughput_per_s = rate("streamapp_requests_total", final)
+    status.results_per_s = rate("streamapp_requests_total", lambda d: d.get("outcome") == "result")
+    status.dead_letters_per_s = rate("streamapp_dead_letters_total")
+    status.retries_per_s = rate("streamapp_retries_total")
+    if status.throughput_per_s > 0:
+        status.dlq_ratio = status.dead_letters_per_s / status.throughput_per_s
+    status.finished_total = int(after.total("streamapp_requests_total", final))
+    e2e_after = after.buckets("streamapp_latency_seconds", stage="e2e")
+    e2e = _delta(e2e_after, before.buckets("streamapp_latency_seconds", stage="e2e"))
+    if not e2e or max(e2e.values(), default=0) <= 0:
+        e2e = e2e_after  # idle during the interval: since the worker started
+    for q, name in ((0.5, "p50_ms"), (0.99, "p99_ms")):
+        value = histogram_quantile(q, e2e)
+        setattr(status, name, None if value is None else value * 1000.0)
+    batches = after.total("streamapp_batch_size_count") - before.total("streamapp_batch_size_count")
+    items = after.total("streamapp_batch_size_sum") - before.total("streamapp_batch_size_sum")
+    if batches <= 0:
+        batches, items = (after.total("streamapp_batch_size_count"),
+                          after.total("streamapp_batch_size_sum"))
+    status.mean_batch = items / batches if batches > 0 else None
+    status.inflight = int(after.total("streamapp_inflight_batches"))
+    status.lag = int(after.total("streamapp_consumer_lag"))
+    status.partitions = int(after.total("streamapp_assigned_partitions",
+                                        lambda d: "request" in d.get("topic", "")))
+    return status
+
+
+def _get(url: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=HTTP_TIMEOUT_S) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def _get_json(url: str) -> Any:
+    return json.loads(_get(url)[1] or b"null")
+
+
+def discover(urls: Sequence[str]) -> list[str]:
+    """``urls`` plus every worker the first reachable one's ``/cluster`` names."""
+    found = [u.rstrip("/") for u in urls]
+    for url in list(found):
+        try:
+            cluster = _get_json(f"{url}/cluster")
+        except (OSError, ValueError):
+            continue
+        for worker in cluster.get("workers", []):
+            peer = str(worker["url"]).rstrip("/")
+            if peer not in found:
+                found.append(peer)
+        break
+    return found
+
+
+def collect(urls: Sequence[str], *, interval_s: float = 2.0, top: int = 5) -> list[WorkerStatus]:
+    """Scrape every worker twice, ``interval_s`` apart, and summarize."""
+
+    def scrape(url: str) -> Snapshot | str:
+        try:
+            status, body = _get(f"{url}/metrics")
+            if status != 200:
+                return f"/metrics answered {status}"
+            return Snapshot.parse(body.decode(), time.monotonic())
+        except (OSError, ValueError) as exc:
+            return f"unreachable ({exc})"
+
+    with ThreadPoolExecutor(max_workers=max(1, len(urls))) as pool:
+        first = list(pool.map(scrape, urls))
+        time.sleep(interval_s)
+        second = list(pool.map(scrape, urls))
+        ready = list(pool.map(lambda u: _safe_json(f"{u}/ready"), urls))
+        devices = list(pool.map(
+            lambda u: _safe_json(f"{u}/devices?sort=-total&limit={top}"), urls))
+    out = []
+    for url, a, b, r, d in zip(urls, first, second, ready, devices, strict=True):
+        if isinstance(a, str) or isinstance(b, str):
+            out.append(WorkerStatus(url, error=a if isinstance(a, str) else str(b)))
+            continue
+        status = summarize(url, a, b)
+        if isinstance(r, dict):
+            status.ready, status.worker = bool(r.get("ready")), str(r.get("worker", "?"))
+        if isinstance(d, dict):
+            status.top_devices = [{**dev, "worker": status.worker} for dev in d.get("devices", [])]
+        out.append(status)
+    return out
+
+
+def _safe_json(url: str) -> Any:
+    try:
+        return _get_json(url)
+    except (OSError, ValueError):
+        return None
+
+
+def _ms(value: float | None) -> str:
+    return "—" if value is None else f"{value:,.1f}"
+
+
+def render(statuses: Iterable[WorkerStatus], *, top: int = 5, now: float | None = None) -> Group:
+    """The status screen: one row per worker plus a total, and the busiest devices."""
+    statuses = list(statuses)
+    now = time.time() if now is None else now
+    table = Table(title="streamapp workers", title_justify="left", expand=False)
+    for name, justify in (
+        ("worker", "left"), ("ready", "center"), ("parts", "right"), ("req/s", "right"),
+        ("DLQ/s", "right"), ("DLQ %", "right"), ("retry/s", "right"), ("p50 ms", "right"),
+        ("p99 ms", "right"), ("batch", "right"), ("in-flight", "right"), ("lag", "right"),
+        ("finished", "right"),
+    ):
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    for s in statuses:
+        if s.error:
+            table.add_row(s.url, Text("✗", style="red"), *["—"] * 10, Text(s.error, style="red"))
+            continue
+        ready = Text("✓", style="green") if s.ready else Text("✗", style="red")
+        table.add_row(
+            f"{s.worker} [dim]{s.url.split('://')[-1]}[/dim]", ready, str(s.partitions),
+            f"{s.throughput_per_s:,.1f}", f"{s.dead_letters_per_s:,.1f}",
+            f"{100 * s.dlq_ratio:.1f}", f"{s.retries_per_s:,.1f}", _ms(s.p50_ms), _ms(s.p99_ms),
+            "—" if s.mean_batch is None else f"{s.mean_batch:.1f}", str(s.inflight), str(s.lag),
+            f"{s.finished_total:,}",
+        )
+    ok = [s for s in statuses if not s.error]
+    if len(ok) > 1:
+        total = sum(s.throughput_per_s for s in ok)
+        dlq = sum(s.dead_letters_per_s for s in ok)
+        table.add_section()
+        table.add_row(
+            "[b]all[/b]", "", str(sum(s.partitions for s in ok)), f"{total:,.1f}", f"{dlq:,.1f}",
+            f"{100 * dlq / total:.1f}" if total else "0.0",
+            f"{sum(s.retries_per_s for s in ok):,.1f}", "", _ms(max(
+                (s.p99_ms for s in ok if s.p99_ms is not None), default=None)), "",
+            str(sum(s.inflight for s in ok)), str(sum(s.lag for s in ok)),
+            f"{sum(s.finished_total for s in ok):,}",
+        )
+    devices = sorted((d for s in ok for d in s.top_devices),
+                     key=lambda d: (-(d.get("total") or 0), d.get("device_id", "")))[:top]
+    dev_table = Table(title=f"top {top} devices", title_justify="left")
+    for name, justify in (("device", "left"), ("worker", "left"), ("finished", "right"),
+                          ("results", "right"), ("dead letters", "right"), ("last seq", "right"),
+                          ("e2e EWMA ms", "right"), ("last seen", "right")):
+        dev_table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    for d in devices:
+        counts = d.get("counts") or {}
+        seen = d.get("last_seen")
+        dev_table.add_row(
+            str(d.get("device_id")), str(d.get("worker")), f"{d.get('total', 0):,}",
+            f"{counts.get('result', 0):,}", f"{counts.get('dead_letter', 0):,}",
+            str(d.get("last_seq")), _ms(d.get("e2e_ewma_ms")),
+            "—" if seen is None else f"{max(0.0, now - seen):.0f} s ago",
+        )
+    return Group(table, dev_table)
+
+
+def run_status(
+    urls: Sequence[str], *, interval_s: float = 2.0, watch: bool = False, top: int = 5,
+    discover_peers: bool = True, console: Console | None = None,
+) -> int:
+    """Print the status screen (refreshing every ``interval_s`` with ``watch``).
+
+    Returns:
+        0 when every worker answered and is ready, 1 otherwise.
+    """
+    console = console or Console()
+    targets = discover(urls) if discover_peers else [u.rstrip("/") for u in urls]
+    statuses = collect(targets, interval_s=interval_s, top=top)
+    if not watch:
+        console.print(render(statuses, top=top))
+        return 0 if all(s.ready and not s.error for s in statuses) else 1
+    from rich.live import Live
+
+    with Live(render(statuses, top=top), console=console, refresh_per_second=4) as live:
+        try:
+            while True:
+                statuses = collect(targets, interval_s=interval_s, top=top)
+                live.update(render(statuses, top=top))
+        except KeyboardInterrupt:
+            pass
+    return 0

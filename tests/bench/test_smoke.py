@@ -1,0 +1,43 @@
+"""``make bench-smoke`` end to end, so that the benchmark cannot rot: a real broker, the
+forwarder, workers, the load generator, the profile, the report and the plots."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+@pytest.mark.kafka
+@pytest.mark.timeout(240)
+def test_smoke_profile_measures_everything(tmp_path: Path) -> None:
+    out = tmp_path / "smoke"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "run", "--profile", "smoke", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=220,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads((out / "bench.json").read_text())
+    digits = results["workloads"]["digits"]
+
+    assert digits["engine"]["items_per_s"] > 1000
+    assert digits["transport"]["complete"] and digits["transport"]["msgs_per_s"] > 1000
+    assert digits["forwarder"]["results_per_s"] > 0
+    saturation = digits["saturation"]
+    assert saturation["results_per_s"] > 0 and saturation["dead_letters_or_other"] == 0
+    assert saturation["mean_batch"] >= 1
+    level = digits["open_loop"][0]
+    assert level["complete"] and level["p99_ms"] is not None and level["p99_ms"] > 0
+    assert digits["seeds"]["sync"]["mean_batch"] == 1.0
+    assert results["backlog"]["rss_mib_max"] > 0
+    report = (out / "report.txt").read_text()
+    assert "product / min(engine, transport)" in report.splitlines()[-1]
+    assert "dynamic / synchronous" in report
+    for png in ("throughput.png", "latency.png", "backlog.png"):
+        assert (out / png).stat().st_size > 1000

@@ -1,0 +1,127 @@
+"""``streamapp status``: quantiles, rates between two scrapes, and the screen, against fake
+workers served over HTTP."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+from rich.console import Console
+
+from streamapp.status import Snapshot, histogram_quantile, run_status, summarize
+
+INF = float("inf")
+
+
+def test_histogram_quantile_interpolates_within_the_bucket() -> None:
+    buckets = {0.1: 50.0, 0.2: 90.0, 0.5: 100.0, INF: 100.0}
+    assert histogram_quantile(0.5, buckets) == pytest.approx(0.1)
+    assert histogram_quantile(0.7, buckets) == pytest.approx(0.15)
+    assert histogram_quantile(0.99, buckets) == pytest.approx(0.2 + 0.3 * 9 / 10)
+    assert histogram_quantile(0.99, {0.1: 0.0, INF: 0.0}) is None
+    assert histogram_quantile(0.99, {0.1: 1.0, INF: 10.0}) == 0.1  # beyond the last bound
+
+
+def metrics_text(results: int, dead: int, e2e_le_0_1: int, e2e_total: int,
+                 batches: int) -> str:
+    return f"""
+# TYPE streamapp_requests_total counter
+streamapp_requests_total{{model="digits",outcome="result"}} {results}
+streamapp_requests_total{{model="digits",outcome="dead_letter"}} {dead}
+streamapp_requests_total{{model="digits",outcome="retry"}} 3
+# TYPE streamapp_dead_letters_total counter
+streamapp_dead_letters_total{{model="digits",reason="bad_shape"}} {dead}
+# TYPE streamapp_latency_seconds histogram
+streamapp_latency_seconds_bucket{{le="0.1",model="digits",stage="e2e"}} {e2e_le_0_1}
+streamapp_latency_seconds_bucket{{le="1.0",model="digits",stage="e2e"}} {e2e_total}
+streamapp_latency_seconds_bucket{{le="+Inf",model="digits",stage="e2e"}} {e2e_total}
+streamapp_latency_seconds_count{{model="digits",stage="e2e"}} {e2e_total}
+streamapp_latency_seconds_sum{{model="digits",stage="e2e"}} 1.0
+# TYPE streamapp_batch_size histogram
+streamapp_batch_size_bucket{{le="+Inf",model="digits"}} {batches}
+streamapp_batch_size_count{{model="digits"}} {batches}
+streamapp_batch_size_sum{{model="digits"}} {results + dead}
+# TYPE streamapp_consumer_lag gauge
+streamapp_consumer_lag{{partition="0",topic="p.inference-request"}} 12
+streamapp_consumer_lag{{partition="1",topic="p.inference-request"}} 3
+# TYPE streamapp_assigned_partitions gauge
+streamapp_assigned_partitions{{topic="p.inference-request"}} 2
+streamapp_assigned_partitions{{topic="p.inference-retry"}} 2
+# TYPE streamapp_inflight_batches gauge
+streamapp_inflight_batches 1
+"""
+
+
+def test_rates_and_quantiles_over_the_interval() -> None:
+    before = Snapshot.parse(metrics_text(100, 0, 100, 100, 10), at=10.0)
+    after = Snapshot.parse(metrics_text(290, 10, 100, 290, 20), at=12.0)
+    s = summarize("http://w1", before, after)
+    assert s.throughput_per_s == pytest.approx(100.0)  # (290 + 10 - 100) / 2 s
+    assert s.results_per_s == pytest.approx(95.0)
+    assert s.dead_letters_per_s == pytest.approx(5.0) and s.dlq_ratio == pytest.approx(0.05)
+    # all 190 new observations are in (0.1, 1.0]: p99 interpolates in that bucket
+    assert s.p99_ms == pytest.approx((0.1 + 0.9 * 0.99) * 1000)
+    assert s.mean_batch == pytest.approx(20.0)  # 200 requests in 10 batches
+    assert (s.lag, s.partitions, s.inflight, s.finished_total) == (15, 2, 1, 300)
+
+
+class FakeWorker(BaseHTTPRequestHandler):
+    scrapes = 0
+    peer = ""
+
+    def do_GET(self) -> None:
+        path = self.path.split("?")[0]
+        if path == "/metrics":
+            FakeWorker.scrapes += 1
+            n = FakeWorker.scrapes
+            body, ctype = metrics_text(100 * n, n, 50 * n, 100 * n, 10 * n).encode(), "text/plain"
+        elif path == "/ready":
+            body, ctype = json.dumps({"ready": True, "worker": "w1"}).encode(), "application/json"
+        elif path == "/cluster":
+            body = json.dumps({"workers": [{"url": FakeWorker.peer, "partitions": [0, 1]},
+                                           {"url": "http://127.0.0.1:9", "partitions": [2]}]})
+            body, ctype = body.encode(), "application/json"
+        elif path == "/devices":
+            body = json.dumps({"devices": [
+                {"device_id": "cam17", "total": 420, "counts": {"result": 418, "dead_letter": 2},
+                 "last_seq": 419, "last_seen": 1.0e9, "e2e_ewma_ms": 12.5}]}).encode()
+            ctype = "application/json"
+        else:
+            self.send_error(404)
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", ctype)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def fake_worker() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeWorker)
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    FakeWorker.peer, FakeWorker.scrapes = url, 0
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield url
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_screen_shows_every_discovered_worker_and_the_busiest_devices(
+    fake_worker: str,
+) -> None:
+    console = Console(record=True, width=160, force_terminal=False)
+    code = run_status([fake_worker], interval_s=0.05, console=console)
+    screen = console.export_text()
+    assert "w1" in screen and "cam17" in screen and "420" in screen
+    assert "unreachable" in screen  # the second worker /cluster names is down
+    assert code == 1  # ... so the command fails

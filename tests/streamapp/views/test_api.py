@@ -1,0 +1,104 @@
+"""The web API in process, without a broker: routes, validation, JSON errors, docs.
+
+Device answers with real data are tested against running workers in
+``tests/integration/test_state.py``; here the app never joins a group, so device queries that
+pass validation get 503 ``not_ready`` (no worker owns any partition yet).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from streamapp.app import create_app
+from streamapp.settings import Settings
+from streamapp.views import ENDPOINTS, api_reference
+
+README = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+
+
+@pytest.fixture
+async def client(tmp_path: Path) -> AsyncIterator[TestClient[Any, Any]]:
+    app = create_app(Settings(app_id="views-test", data_dir=tmp_path, backend="onnxruntime"))
+    async with TestClient(TestServer(app.web.web_app)) as c:
+        c.faust_app = app  # type: ignore[attr-defined]
+        yield c
+
+
+def test_the_registered_routes_are_the_documented_endpoints(tmp_path: Path) -> None:
+    app = create_app(Settings(app_id="views-test", data_dir=tmp_path))
+    routes = {(r.method, r.resource.canonical) for r in app.web.web_app.router.routes()
+              if r.method != "HEAD"}
+    assert routes == {(method, path) for method, path, *_ in ENDPOINTS}
+
+
+def test_the_readme_shows_the_api_reference() -> None:
+    block = README.split("<!-- api-reference:start -->\n")[1].split("\n<!-- api-reference:end")[0]
+    assert block == api_reference()
+
+
+async def test_health_and_not_ready(client: TestClient[Any, Any]) -> None:
+    response = await client.get("/health")
+    assert response.status == 200 and (await response.json())["status"] == "ok"
+    response = await client.get("/ready")
+    body = await response.json()
+    assert response.status == 503 and body["ready"] is False
+    assert body["checks"]["partitions_assigned"] is False and body["assigned"] == []
+
+
+@pytest.mark.parametrize(
+    ("path", "status", "code"),
+    [
+        ("/devices/cam1", 503, "not_ready"),
+        ("/devices/cam1/windows?kind=hopping&last=3", 503, "not_ready"),
+        ("/devices/%00", 400, "bad_device_id"),
+        ("/devices/%C3%28", 400, "bad_device_id"),
+        ("/devices/" + "d" * 257, 400, "bad_device_id"),
+        ("/devices/cam1/windows?kind=session", 400, "bad_query"),
+        ("/devices/cam1/windows?last=0", 400, "bad_query"),
+        ("/devices/cam1/windows?last=361", 400, "bad_query"),
+        ("/devices/cam1/windows?kind=hopping&last=356", 400, "bad_query"),
+        ("/devices/cam1/windows?last=1.5", 400, "bad_query"),
+        ("/devices/cam1?x=1", 400, "bad_query"),
+        ("/devices?limit=abc", 400, "bad_query"),
+        ("/devices?sort=total", 400, "bad_query"),
+        ("/health?verbose=1", 400, "bad_query"),
+    ],
+)
+async def test_errors_are_json_with_a_code_and_a_message(
+    client: TestClient[Any, Any], path: str, status: int, code: str
+) -> None:
+    response = await client.get(path)
+    body = await response.json()
+    assert (response.status, body["error"]) == (status, code), body
+    assert body["status"] == status and body["message"]
+
+
+async def test_a_device_listing_when_nothing_is_owned(client: TestClient[Any, Any]) -> None:
+    response = await client.get("/devices?limit=10&sort=-total")
+    body = await response.json()
+    assert response.status == 200
+    assert (body["count"], body["devices"], body["next_offset"]) == (0, [], None)
+
+
+async def test_metrics_are_prometheus_text(client: TestClient[Any, Any]) -> None:
+    response = await client.get("/metrics")
+    assert response.status == 200 and response.content_type == "text/plain"
+    text = await response.text()
+    assert re.search(r"^streamapp_ready 0\.0$", text, re.M)
+
+
+async def test_an_unexpected_failure_is_a_json_500(client: TestClient[Any, Any]) -> None:
+    state = client.faust_app.streamapp_state  # type: ignore[attr-defined]
+
+    def boom() -> None:
+        raise RuntimeError("bug")
+
+    state.readiness = boom
+    response = await client.get("/ready")
+    assert response.status == 500 and (await response.json())["error"] == "internal_error"
