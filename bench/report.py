@@ -74,8 +74,8 @@ def format_report(results: Mapping[str, Any]) -> str:
                      f"max_batch_delay_ms {plan['delay_ms']}, max_inflight_batches "
                      f"{plan['inflight']}, {plan['partitions']} partitions, one worker")
         lines.append(f"  {'measurement':<44}{'req/s':>10}{'p50 ms':>9}{'p95 ms':>9}"
-                     f"{'p99 ms':>9}{'batch':>7}{'wCPU%':>7}{'bCPU%':>7}{'oCPU%':>7}"
-                     f"{'GPU%':>6}")
+                     f"{'p99 ms':>9}{'batch':>7}{'wCPU%':>7}{'bCPU%':>7}{'gCPU%':>7}"
+                     f"{'oCPU%':>7}{'GPU%':>6}")
 
         def row(label: str, rate: Any, res: Mapping[str, Any] | None = None) -> None:
             res = res or {}
@@ -85,7 +85,8 @@ def format_report(results: Mapping[str, Any]) -> str:
                 f"  {label:<44}{_f(rate):>10}{_f(res.get('p50_ms'), '.1f'):>9}"
                 f"{_f(res.get('p95_ms'), '.1f'):>9}{_f(res.get('p99_ms'), '.1f'):>9}"
                 f"{_f(res.get('mean_batch'), '.1f'):>7}{_cpu(res, 'worker'):>7}"
-                f"{_cpu(res, 'broker'):>7}{_f(other, '.0f'):>7}{_f(gpu, '.0f'):>6}")
+                f"{_cpu(res, 'broker'):>7}{_cpu(res, 'bench'):>7}{_f(other, '.0f'):>7}"
+                f"{_f(gpu, '.0f'):>6}")
 
         e = w.get("engine")
         if e:
@@ -106,7 +107,8 @@ def format_report(results: Mapping[str, Any]) -> str:
                 **{k: fwd.get(k) for k in ("p50_ms", "p95_ms", "p99_ms")},
                 "utilisation": {**fwd["utilisation"], "cpu_pct": {
                     "worker": fwd["utilisation"].get("cpu_pct", {}).get("forwarder"),
-                    "broker": fwd["utilisation"].get("cpu_pct", {}).get("broker")}}})
+                    "broker": fwd["utilisation"].get("cpu_pct", {}).get("broker"),
+                    "bench": fwd["utilisation"].get("cpu_pct", {}).get("bench")}}})
         sat = w.get("saturation")
         if sat:
             row(f"product at saturation (closed loop, {sat['window']} out)",
@@ -154,9 +156,9 @@ def format_report(results: Mapping[str, Any]) -> str:
                 f"{b['broker_rss_mib_after_produce']:,.0f} MiB")
     lines.append("")
     lines.append("columns: req/s = results per second; latency = request ts → result arrival; "
-                 "batch = mean batch size per request; wCPU/bCPU = worker/broker CPU, "
-                 "oCPU = everything else on the machine (the load generator included), "
-                 "% of one core; GPU = utilisation %")
+                 "batch = mean batch size per request; CPU in % of one core: wCPU worker "
+                 "(forwarder in its row), bCPU broker, gCPU the benchmark's load generator and "
+                 "collector, oCPU every other process on the machine; GPU = utilisation %")
     lines.append("ratios (targets: product/limit ≥ 0.9; dynamic/sync ≥ 10 on the H200; "
                  "p99@70% / (delay + 3 × batch compute) ≤ 1)")
     for name, r in ratios(results).items():

@@ -565,7 +565,8 @@ def write_plots(results: Mapping[str, Any], out_dir: Path) -> list[Path]:
     ):
         if series:
             xs = sorted(series, key=int)
-            ax.plot([int(x) for x in xs], [series[x] for x in xs], marker="o", label=label)
+            ys = [float(series[x] or 0.0) for x in xs]
+            ax.plot([int(x) for x in xs], ys, marker="o", label=label)
     for label in ("sync", "async"):
         if label in results:
             ax.axhline(

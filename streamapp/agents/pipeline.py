@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
+from aiokafka.errors import MessageSizeTooLargeError
 
 from engines.base import EngineInfo
 from engines.exceptions import EngineError
@@ -44,6 +45,11 @@ from streamapp.retry import MemoryRetryStore, RetryRecord, RetryStore, backoff_s
 from streamapp.settings import Settings
 
 __all__ = ["InferencePipeline", "LoadedModel", "PipelineStats", "Sink", "SourceMessage"]
+
+#: Errors that mean *this record* cannot be encoded or produced, whatever the producer's state.
+_RECORD_ERRORS: tuple[type[BaseException], ...] = (
+    MessageSizeTooLargeError, ValueError, TypeError, OverflowError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -281,23 +287,33 @@ class InferencePipeline:
         if error is None and item is not None:
             error = item.error
         retry = source.retry
-        if error is None:
-            assert item is not None
-            topic, key, value, outcome = self._result(work, item, completion.batch)
-        elif self._should_retry(work, error):
-            topic, key, value, outcome = self._retry(work, error)
-        else:
-            topic, key, value, outcome = self._dead_letter(work, error)
-        if retry is not None and outcome.kind != "retry":
-            self.retry_store.finish(retry.request_id, source.event)  # the request is finished
+        try:
+            if error is None:
+                assert item is not None
+                topic, key, value, outcome = self._result(work, item, completion.batch)
+            elif self._should_retry(work, error):
+                topic, key, value, outcome = self._retry(work, error)
+            else:
+                topic, key, value, outcome = self._dead_letter(work, error)
+        except _RECORD_ERRORS as exc:  # the outcome cannot be encoded (e.g. msgpack overflow)
+            topic, key, value, outcome = self._unproducible(work, "outcome", b"", exc)
         try:
             ack_future = await self.sink.send(topic, key, value)
-        except Exception as exc:
-            # The outcome itself cannot be produced (e.g. larger than the producer's maximum
-            # request size): say so in a small dead letter instead of leaving the record
-            # unanswered, which would also stall its partition's commits.
+        except _RECORD_ERRORS as exc:
+            # This record cannot be produced (e.g. larger than the producer's maximum request
+            # size): say so in a small dead letter rather than leave the request unanswered,
+            # which would also stall its partition's commits.
             topic, key, value, outcome = self._unproducible(work, topic, value, exc)
             ack_future = await self.sink.send(topic, key, value)
+        except Exception as exc:
+            # The producer itself failed (e.g. stopping): the record stays uncommitted and is
+            # processed again by whoever reads its partition next. Nothing is dead-lettered.
+            self.stats.produce_failures += 1
+            log.error("cannot produce to %s for %s (%s: %s); it will be processed again",
+                      topic, source, type(exc).__name__, exc)
+            return
+        if retry is not None and outcome.kind != "retry":
+            self.retry_store.finish(retry.request_id, source.event)  # the request is finished
         self._after_send(ack_future, topic, source)
         for observer in self.observers:
             if completion.batch is not None and completion.batch.batch_id not in \

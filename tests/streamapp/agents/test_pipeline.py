@@ -704,3 +704,53 @@ async def test_a_duplicated_request_id_in_one_batch_is_answered_once(
     (letter,) = dead_letters_of(sink, pipeline)
     assert (letter.request_id, letter.error["reason"]) == ("dev-a-0", "duplicate_request_id")
     assert letter.source["offset"] == 101
+
+
+class PickySink(FakeSink):
+    """Refuses the first record sent to a topic with the given error."""
+
+    def __init__(self, topic: str, error: BaseException) -> None:
+        super().__init__()
+        self.refuse_topic, self.error = topic, error
+
+    async def send(self, topic: str, key: bytes | None, value: bytes) -> asyncio.Future[None]:
+        if topic == self.refuse_topic and self.error is not None:
+            error, self.error = self.error, None  # type: ignore[assignment]
+            raise error
+        return await super().send(topic, key, value)
+
+
+async def test_an_outcome_too_large_to_produce_becomes_a_small_dead_letter(
+    start_pipeline: StartPipeline, onnx_engine: Engine, images: np.ndarray
+) -> None:
+    from aiokafka.errors import MessageSizeTooLargeError
+
+    sink, source = PickySink("inference-result", MessageSizeTooLargeError("too big")), Source()
+    pipeline = await start_pipeline(ThreadExecutor(onnx_engine), sink, max_batch_size=1)
+    message = good(source, images[0], "dev-a", 0)
+    await pipeline.handle(message)
+    await wait_for(lambda: len(source.acked) == 1)
+
+    assert results_of(sink, pipeline) == []
+    (letter,) = dead_letters_of(sink, pipeline)
+    assert letter.error["reason"] == "unproducible_outcome"
+    assert "MessageSizeTooLargeError" in letter.error["message"]
+    assert letter.request_id == "dev-a-0" and letter.value == b""
+    assert letter.extra["value_omitted"]["bytes"] == len(message.value or b"")
+
+
+async def test_a_failing_producer_leaves_the_record_unacknowledged_not_dead_lettered(
+    start_pipeline: StartPipeline, onnx_engine: Engine, images: np.ndarray
+) -> None:
+    from aiokafka.errors import KafkaConnectionError
+
+    sink, source = PickySink("inference-result", KafkaConnectionError("broker gone")), Source()
+    pipeline = await start_pipeline(ThreadExecutor(onnx_engine), sink, max_batch_size=1)
+    await pipeline.handle(good(source, images[0], "dev-a", 0))
+    await pipeline.handle(good(source, images[1], "dev-a", 1))
+    await wait_for(lambda: len(source.acked) == 1)
+
+    assert source.acked == [101]  # the first record stays uncommitted: it is read again later
+    assert [r["seq"] for r in results_of(sink, pipeline)] == [1]
+    assert dead_letters_of(sink, pipeline) == []
+    assert pipeline.stats.produce_failures == 1
