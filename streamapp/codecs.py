@@ -27,6 +27,7 @@ __all__ = [
     "MIN_REQUEST_TS",
     "REASONS",
     "check_key",
+    "dead_letter_to_dict",
     "decode_dead_letter",
     "decode_request",
     "decode_result",
@@ -365,7 +366,12 @@ def decode_result(value: bytes) -> dict[str, Any]:
 
 def encode_dead_letter(letter: DeadLetter) -> bytes:
     """Encode a dead letter as JSON; the original key and value are base64, byte for byte."""
-    body = {
+    return json.dumps(dead_letter_to_dict(letter), separators=(",", ":")).encode()
+
+
+def dead_letter_to_dict(letter: DeadLetter) -> dict[str, Any]:
+    """The JSON form of a dead letter (key and value base64)."""
+    return {
         "request_id": letter.request_id,
         "device_id": letter.device_id,
         "error": letter.error,
@@ -379,7 +385,6 @@ def encode_dead_letter(letter: DeadLetter) -> bytes:
         "errors": letter.errors,
         **({"extra": letter.extra} if letter.extra else {}),
     }
-    return json.dumps(body, separators=(",", ":")).encode()
 
 
 def decode_dead_letter(value: bytes) -> DeadLetter:

@@ -14,7 +14,6 @@ should follow a fix of whatever made the requests fail; replaying twice sends th
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import logging
 import re
@@ -29,7 +28,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.structs import ConsumerRecord
 
 from streamapp.client import _partitions, start_or_close
-from streamapp.codecs import decode_dead_letter
+from streamapp.codecs import dead_letter_to_dict, decode_dead_letter
 from streamapp.exceptions import BrokerError
 from streamapp.records import DeadLetter
 
@@ -116,18 +115,8 @@ class DeadLetterEntry:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: every dead-letter field (key and value base64) plus ``dlq`` position."""
-        letter = self.letter
         return {
-            "request_id": letter.request_id,
-            "device_id": letter.device_id,
-            "error": letter.error,
-            "attempts": letter.attempts,
-            "first_failed_ts": letter.first_failed_ts,
-            "last_failed_ts": letter.last_failed_ts,
-            "source": letter.source,
-            "worker": letter.worker,
-            "key": None if letter.key is None else base64.b64encode(letter.key).decode("ascii"),
-            "value": base64.b64encode(letter.value).decode("ascii"),
+            **dead_letter_to_dict(self.letter),
             "dlq": {"partition": self.partition, "offset": self.offset,
                     "timestamp_ms": self.timestamp_ms},
         }
