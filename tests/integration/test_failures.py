@@ -159,7 +159,9 @@ async def test_one_poison_request_in_a_batch_of_64_gets_the_only_dead_letter(
     assert [r["seq"] for r in out.results] == [i for i in range(64) if i != 40]
 
 
-@pytest.mark.parametrize("worker_options", [{"max_request_bytes": 65_536}])
+@pytest.mark.parametrize(
+    "worker_options", [{"max_request_bytes": 65_536, "max_batch_delay_ms": 500}]
+)
 async def test_every_kind_of_bad_input_between_good_traffic_gets_its_dead_letter(
     kafka_broker: EmbeddedBroker, worker: WorkerProcess, worker_settings: Settings,
 ) -> None:
@@ -177,11 +179,17 @@ async def test_every_kind_of_bad_input_between_good_traffic_gets_its_dead_letter
         records.append((key, value))
         good_ids.append(f"dev-f-{2 * i}")
         records.append((item.key, item.value))
-    # a request_id twice in one batch: the second copy is the dead letter
-    dup_key, dup_value = request(0, 999, request_id="dup-1")
-    records += [(dup_key, dup_value), (dup_key, dup_value)]
     pid = worker.process.pid if worker.process else None
     await publish_values(kafka_broker.bootstrap_servers, s.request_topic, records)
+    # A request_id twice in one batch: the second copy is the dead letter. Sent on their own,
+    # once the rest is answered, so that both land in the same batch (its window is 500 ms).
+    await collect_outcomes(
+        kafka_broker.bootstrap_servers, s.result_topic, s.dlq_topic,
+        done=lambda o: len(o.results) + len(o.dead_letters) >= len(records), timeout_s=60,
+    )
+    dup_key, dup_value = request(0, 999, request_id="dup-1")
+    records += [(dup_key, dup_value), (dup_key, dup_value)]
+    await publish_values(kafka_broker.bootstrap_servers, s.request_topic, records[-2:])
     out = await collect_outcomes(
         kafka_broker.bootstrap_servers, s.result_topic, s.dlq_topic,
         done=lambda o: len(o.results) + len(o.dead_letters) >= len(records), timeout_s=60,
