@@ -7,9 +7,13 @@ channels-last memory format for 4-D inputs, and CUDA graphs captured per batch s
 Stream execution (:meth:`TorchEngine.bind_stream`): the executor's cuda-python stream is wrapped
 with ``torch.cuda.ExternalStream``; its device buffers are wrapped as tensors through
 ``__cuda_array_interface__`` (no copy). One forward pass reads rows ``[0, n)`` of the input
-buffer and writes rows ``[0, n)`` of the output buffer; with CUDA graphs it is captured once per
-``(stream, n)`` (on first use, after warm-up runs) and replayed after that, so enqueueing a batch
-costs one graph launch.
+buffer and writes rows ``[0, n)`` of the output buffer. With CUDA graphs, a batch of ``n`` runs
+the graph of the smallest *bucket* ``>= n`` (powers of two up to the maximum batch, plus the
+maximum itself); the rows past ``n`` compute on stale data and are never read. Every bucket is
+captured when the stream context is created (after warm-up runs), so the first batches of a
+worker do not pay for captures — measured on the H200, capturing on first use made a fresh
+worker run at a fraction of its speed for many seconds — and enqueueing costs one graph launch.
+The same bucketing is what TensorRT-LLM and vLLM do for their CUDA graphs.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from engines.exceptions import (
     OutOfMemoryError,
 )
 
-__all__ = ["Precision", "TorchEngine", "load", "onnx_io_specs"]
+__all__ = ["Precision", "TorchEngine", "graph_batch_sizes", "load", "onnx_io_specs"]
 
 Precision = Literal["fp32", "fp16"]
 
@@ -127,6 +131,17 @@ class _CudaArray:
         }
 
 
+def graph_batch_sizes(max_batch: int) -> list[int]:
+    """The batch sizes CUDA graphs are captured for: 1, 2, 4, ... below ``max_batch``, and it."""
+    sizes = []
+    size = 1
+    while size < max_batch:
+        sizes.append(size)
+        size *= 2
+    sizes.append(max_batch)
+    return sizes
+
+
 class _TorchStreamContext(StreamContext):
     def __init__(self, engine: TorchEngine, stream: int, addresses: Mapping[str, int]) -> None:
         import torch
@@ -150,6 +165,11 @@ class _TorchStreamContext(StreamContext):
         ]
         self.graphs: dict[int, Any] = {}
         self._pool: Any = None
+        self.buckets = graph_batch_sizes(max_b)
+        if engine.cuda_graphs:
+            with torch.inference_mode():
+                for size in reversed(self.buckets):  # largest first: its pool serves the rest
+                    self.graphs[size] = self._capture(size)
 
     def _step(self, n: int) -> None:
         results = self.engine.forward(*(t[:n] for t in self.inputs))
@@ -177,9 +197,10 @@ class _TorchStreamContext(StreamContext):
         try:
             with torch.cuda.stream(self.stream), torch.inference_mode():
                 if self.engine.cuda_graphs:
-                    graph = self.graphs.get(batch_size)
+                    bucket = next(b for b in self.buckets if b >= batch_size)
+                    graph = self.graphs.get(bucket)
                     if graph is None:
-                        graph = self.graphs[batch_size] = self._capture(batch_size)
+                        graph = self.graphs[bucket] = self._capture(bucket)
                     graph.replay()
                 else:
                     self._step(batch_size)

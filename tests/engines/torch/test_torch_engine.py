@@ -79,3 +79,15 @@ def test_infer_on_cpu_matches_onnxruntime(onnx_model: Path) -> None:
     out = engine.infer({"input": x})["probs"]
     reference = ort.InferenceSession(str(onnx_model)).run(None, {"input": x})[0]
     np.testing.assert_allclose(out, reference, rtol=1e-5, atol=1e-6)
+
+
+def test_cuda_graph_buckets_cover_every_batch_size() -> None:
+    from engines.torch.engine import graph_batch_sizes
+
+    assert graph_batch_sizes(64) == [1, 2, 4, 8, 16, 32, 64]
+    assert graph_batch_sizes(48) == [1, 2, 4, 8, 16, 32, 48]
+    assert graph_batch_sizes(1) == [1]
+    for max_batch in (1, 7, 48, 64):
+        sizes = graph_batch_sizes(max_batch)
+        assert all(any(b >= n for b in sizes) for n in range(1, max_batch + 1))
+        assert max(sizes) == max_batch
