@@ -114,7 +114,6 @@ class WorkerRuntime:
         flush: Callable[[], Awaitable[Any]] | None = None,
         on_fatal: Callable[[BaseException], Awaitable[Any]] | None = None,
         position: Callable[[str, int], Awaitable[int | None]] | None = None,
-        assignment: Callable[[], set[TP]] | None = None,
     ) -> None:
         self.settings = settings
         self.worker = settings.worker_name or f"{socket.gethostname()}:{os.getpid()}"
@@ -125,7 +124,9 @@ class WorkerRuntime:
         self._commit = commit
         self._read_range = read_range
         self._position = position
-        self._assignment = assignment
+        #: Assigned source partitions, as told by :meth:`on_assigned`; None: not told (tests),
+        #: then every record is admitted.
+        self._assigned: set[TP] | None = None
         self._process: Callable[[SourceMessage], Awaitable[None]] | None = None
         self._tp_locks: dict[TP, asyncio.Lock] = {}
         self._last_admit_at = 0.0
@@ -233,6 +234,10 @@ class WorkerRuntime:
             by this one.
         """
         self._last_admit_at = time.monotonic()
+        if self._assigned is not None and (topic, partition) not in self._assigned:
+            # Fetched before its partition was revoked and delivered late: its new owner
+            # processes it. Tracking it here would leave stale state behind.
+            return []
         async with self._lock_for((topic, partition)):
             decision, epoch = await self.tracker.on_read(topic, partition, offset)
             if decision == "drop":
@@ -285,7 +290,7 @@ class WorkerRuntime:
         Returns:
             How many records were recovered.
         """
-        if self._position is None or self._assignment is None or self._process is None:
+        if self._position is None or self._assigned is None or self._process is None:
             return 0
         now = time.monotonic()
         if now - max(self._last_admit_at, self._last_rebalance_at) < GAP_IDLE_S:
@@ -294,11 +299,13 @@ class WorkerRuntime:
         if pipeline is None or pipeline.batcher.pending >= pipeline.batcher.max_pending:
             return 0
         recovered = 0
-        for tp in sorted(self._assignment()):
+        for tp in sorted(self._assigned):
             position = await self._position(*tp)
             if position is None:
                 continue
             async with self._lock_for(tp):
+                if tp not in self._assigned:  # revoked meanwhile
+                    continue
                 state = await self.tracker.ensure(*tp)
                 if position <= state.next_offset:
                     continue
@@ -367,13 +374,18 @@ class WorkerRuntime:
             log.warning("stopping with requests in flight (%s); they will be redelivered", exc)
         await self.commit_now()
 
-    def on_assigned(self) -> None:
-        """Partitions were (re)assigned."""
+    def on_assigned(self, assigned: set[TP]) -> None:
+        """Partitions were (re)assigned: from now on only records of ``assigned`` are admitted,
+        and the state of any other partition is dropped."""
         self._last_rebalance_at = time.monotonic()
+        self._assigned = set(assigned)
+        self.tracker.forget(tp for tp in self.tracker.assigned() if tp not in self._assigned)
 
     async def on_revoked(self, revoked: set[TP]) -> None:
         """Before partitions go to another worker: commit what finished, forget the rest."""
         self._last_rebalance_at = time.monotonic()
+        if self._assigned is not None:
+            self._assigned -= revoked
         await self.commit_now(only=revoked)
         self.tracker.forget(revoked)
 

@@ -133,6 +133,15 @@ async def test_retries_end_in_one_result_or_one_dead_letter_and_clear_the_counte
     assert letter.value == records[2][1]
     rows = await _table_rows(kafka_broker.bootstrap_servers, f"{s.app_id}-retry_counts-changelog")
     assert rows == {}  # every counter row removed once its request finished
+    # a restarted worker restores retry_counts from that changelog (deletions included) and serves
+    assert faulty_worker.stop() == 0
+    faulty_worker.start().wait_ready(timeout_s=30)
+    await publish_values(kafka_broker.bootstrap_servers, s.request_topic, [request(5, 4)])
+    out = await collect_outcomes(
+        kafka_broker.bootstrap_servers, s.result_topic, s.dlq_topic,
+        done=lambda o: "dev-f-4" in o.result_ids(), timeout_s=30,
+    )
+    assert "dev-f-4" in out.result_ids()
 
 
 @pytest.mark.parametrize(

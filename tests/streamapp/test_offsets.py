@@ -119,8 +119,9 @@ async def test_sweep_reads_records_skipped_at_the_end_of_a_partition() -> None:
 
     rt = WorkerRuntime(
         Settings(), start_offset=start_offset, commit=commit, read_range=read_range,
-        position=position, assignment=lambda: {(T, 0)},
+        position=position,
     )
+    rt.on_assigned({(T, 0)})
 
     class Batcher:
         pending, max_pending = 0, 10
@@ -139,8 +140,32 @@ async def test_sweep_reads_records_skipped_at_the_end_of_a_partition() -> None:
         processed.append(a.offset)
         a.ack()
     assert await rt.sweep_gaps() == 0  # not idle yet: records may still be in Faust's buffers
-    rt._last_admit_at -= 10  # idle for a while
+    rt._last_admit_at -= 10  # idle for a while, and no rebalance lately
+    rt._last_rebalance_at -= 10
     assert await rt.sweep_gaps() == 4
     assert processed == [10, 11, 12, 13, 14, 15]
     assert rt.tracker.committable() == {(T, 0): 16}
     assert await rt.sweep_gaps() == 0  # nothing left
+
+
+async def test_records_of_partitions_no_longer_assigned_leave_no_state_behind() -> None:
+    """A record fetched before its partition was revoked and delivered late must not create
+    tracking state: when the partition came back, that state's old position made the worker
+    re-read everything its other owner had done meanwhile."""
+    records = {o: (b"k", b"v") for o in range(0, 2000)}
+    rt = runtime(records, start=0)
+    rt.on_assigned({(T, 0), (T, 1)})
+    assert [a.offset for a in await rt.admit(T, 1, 0, b"k", b"v")] == [0]
+    await rt.on_revoked({(T, 0), (T, 1)})
+    rt.on_assigned({(T, 0)})  # partition 1 went to another worker
+    assert await rt.admit(T, 1, 1, b"k", b"v") == []  # late record of partition 1: dropped
+    assert rt.tracker.state((T, 1)) is None
+    rt.tracker.forget([(T, 0)])
+    await rt.on_revoked({(T, 0)})
+    rt.on_assigned({(T, 0), (T, 1)})  # partition 1 is back; its other owner committed 1500
+
+    async def committed(topic: str, partition: int) -> int:
+        return 1500
+
+    rt.tracker._start_offset = committed
+    assert [a.offset for a in await rt.admit(T, 1, 1500, b"k", b"v")] == [1500]  # no re-read
