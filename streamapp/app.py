@@ -69,7 +69,7 @@ def faust_options(settings: Settings) -> dict[str, Any]:
         "producer_linger_ms": settings.producer_linger_ms,
         "stream_buffer_maxsize": settings.stream_buffer_maxsize,
         "topic_partitions": settings.topic_partitions,
-        "topic_replication_factor": 1,
+        "topic_replication_factor": settings.topic_replication_factor,
         "consumer_auto_offset_reset": "earliest",
         "consumer_group_instance_id": settings.group_instance_id or None,
         "key_serializer": "raw",

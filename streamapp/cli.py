@@ -32,6 +32,13 @@ Broker = Annotated[
 ]
 
 
+def _unreachable(bootstrap: str, exc: BaseException) -> str:
+    return (
+        f"cannot talk to the broker at {bootstrap}: {type(exc).__name__}: {exc}. Is it running "
+        "(streamapp broker), and are --broker / STREAMAPP_BROKER and the security settings right?"
+    )
+
+
 def _fail(message: str, code: int = 1) -> typer.Exit:
     typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
     return typer.Exit(code)
@@ -90,6 +97,7 @@ def worker(
         create_topics(
             settings.bootstrap_servers,
             {t: settings.topic_partitions for t in settings.topics},
+            replication_factor=settings.topic_replication_factor,
             security=kafka_security_options(settings),
         )
     except (StreamAppError, EngineError) as exc:
@@ -134,10 +142,7 @@ def publish(
             )
         )
     except KafkaError as exc:
-        raise _fail(
-            f"cannot publish to {settings.bootstrap_servers}: {type(exc).__name__}: {exc}. "
-            "Is the broker running (streamapp broker) and --broker right?"
-        ) from None
+        raise _fail(_unreachable(settings.bootstrap_servers, exc)) from None
     span = sent[-1].sent_at - sent[0].sent_at if len(sent) > 1 else 0.0
     typer.echo(
         f"published {len(sent)} frames from {devices} devices to {settings.request_topic} "
@@ -294,6 +299,8 @@ def dlq_tail(
         asyncio.run(run())
     except StreamAppError as exc:
         raise _fail(str(exc)) from None
+    except KafkaError as exc:
+        raise _fail(_unreachable(settings.bootstrap_servers, exc)) from None
     except KeyboardInterrupt:
         pass
 
@@ -333,6 +340,8 @@ def dlq_replay(
         )
     except StreamAppError as exc:
         raise _fail(str(exc)) from None
+    except KafkaError as exc:
+        raise _fail(_unreachable(settings.bootstrap_servers, exc)) from None
     if dry_run:
         typer.echo(
             f"dry run: would replay {report.matched} dead letters ({where.describe()}) to "

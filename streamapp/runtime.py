@@ -14,8 +14,9 @@ from typing import Any
 import numpy as np
 
 from engines.base import StreamEngine
+from engines.exceptions import BackendUnavailableError, EngineLoadError
 from engines.executor import Executor, ThreadExecutor
-from engines.registry import load_engine, resolve_backend
+from engines.registry import available_backends, load_engine, resolve_backend
 from streamapp.agents.observer import PipelineObserver
 from streamapp.agents.pipeline import InferencePipeline, LoadedModel, Sink, SourceMessage
 from streamapp.exceptions import InvalidRequestError
@@ -72,13 +73,35 @@ def load_models(settings: Settings) -> dict[str, LoadedModel]:
         EngineError: A backend is unknown/unavailable or a model failed to load.
     """
     repo = ModelRepository(settings.models_dir)
-    backend = resolve_backend(settings.backend)
+    # "auto": the first available backend (TensorRT, PyTorch CUDA, ONNX Runtime) that loads the
+    # model's file; e.g. TensorRT loads plans only, so an ONNX model falls through to the next.
+    candidates = (
+        available_backends() if settings.backend == "auto"
+        else [resolve_backend(settings.backend)]
+    )
+    if not candidates:
+        raise BackendUnavailableError("no engine backend is available on this machine")
     loaded = {}
     for name in settings.models:
         config = repo.get(name)
-        executor = _make_executor(
-            backend, str(config.path), settings, config.engine_options(backend)
-        )
+        failures: list[str] = []
+        for backend in candidates:
+            try:
+                executor = _make_executor(
+                    backend, str(config.path), settings, config.engine_options(backend)
+                )
+            except EngineLoadError as exc:
+                if len(candidates) == 1:
+                    raise
+                failures.append(f"{backend}: {exc}")
+                log.info("auto: %s cannot load %s (%s); trying the next backend",
+                         backend, config.path.name, exc)
+                continue
+            break
+        else:
+            raise EngineLoadError(
+                f"no available backend could load model {name!r}: " + "; ".join(failures)
+            )
         loaded[name] = LoadedModel(config, executor)
         log.info("loaded model %s v%s with %s", name, config.version, executor.engine.info.tag)
     return loaded

@@ -59,8 +59,13 @@ class Settings(BaseSettings):
     topic_prefix: str = Field("", description="Prefix for every topic name, e.g. 'prod.'.")
     topic_partitions: int = Field(
         8, ge=1,
-        description="Partitions of the request, result and DLQ topics when the worker creates "
-        "them; the most workers that can share the load.",
+        description="Partitions of the request, result, DLQ and retry topics when the worker "
+        "creates them (and of the tables' changelogs); the most workers that can share the load.",
+    )
+    topic_replication_factor: int = Field(
+        1, ge=1,
+        description="Replicas of the topics and changelogs the worker creates; use 3 on a "
+        "production Kafka cluster (the embedded broker has one node).",
     )
     result_codec: Codec = Field("json", description="Encoding of result records.")
     session_timeout_s: float = Field(
