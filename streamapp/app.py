@@ -17,6 +17,7 @@ from faust.types import TP
 from streamapp.agents.pipeline import SourceMessage
 from streamapp.client import kafka_security_options, read_partition_range
 from streamapp.faust_compat import (
+    StandInEvent,
     commit_offsets,
     committed_or_earliest,
     event_context,
@@ -192,10 +193,13 @@ def create_app(settings: Settings | None = None) -> faust.App:
         """The records to process for this event (more than one after a consumer gap)."""
         m = event.message
         return [
-            # records read to fill a gap share the partition, so this event serves their
-            # table writes too
-            SourceMessage(key=a.key, value=a.value, topic=m.topic, partition=m.partition,
-                          offset=a.offset, ack=a.ack, event=event)
+            # records read to fill a gap get an event of their own (same partition, their key)
+            SourceMessage(
+                key=a.key, value=a.value, topic=m.topic, partition=m.partition, offset=a.offset,
+                ack=a.ack,
+                event=event if a.offset == m.offset
+                else StandInEvent(m.topic, m.partition, a.key, a.offset),
+            )
             for a in await runtime.admit(m.topic, m.partition, m.offset, m.key, m.value)
         ]
 

@@ -15,6 +15,7 @@ from faust.streams import _current_event
 from faust.types import TP
 
 __all__ = [
+    "StandInEvent",
     "commit_offsets",
     "committed_or_earliest",
     "event_context",
@@ -85,3 +86,25 @@ def set_fetch_max_wait(app: Any, ms: float) -> bool:
         return False
     fetcher._fetch_max_wait_ms = int(ms)
     return True
+
+
+class _StandInMessage:
+    __slots__ = ("key", "offset", "partition", "topic")
+
+    def __init__(self, topic: str, partition: int, key: bytes | None, offset: int) -> None:
+        self.topic = topic
+        self.partition = partition
+        self.key = key
+        self.offset = offset
+
+
+class StandInEvent:
+    """Just enough of a Faust event for a table write (``message.topic``, ``.partition``,
+    ``.key``, ``.offset``), for records that did not arrive as a Faust event of their own:
+    those read to fill a consumer gap, and outcomes written for another partition's key.
+    Weak-referenceable, as Faust keeps the current event through a weakref."""
+
+    __slots__ = ("__weakref__", "message")
+
+    def __init__(self, topic: str, partition: int, key: bytes | None, offset: int = -1) -> None:
+        self.message = _StandInMessage(topic, partition, key, offset)

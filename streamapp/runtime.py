@@ -20,6 +20,7 @@ from engines.registry import available_backends, load_engine, resolve_backend
 from streamapp.agents.observer import PipelineObserver
 from streamapp.agents.pipeline import InferencePipeline, LoadedModel, Sink, SourceMessage
 from streamapp.exceptions import InvalidRequestError
+from streamapp.faust_compat import StandInEvent
 from streamapp.models import ModelRepository
 from streamapp.offsets import TP, OffsetTracker
 from streamapp.retry import DelayScheduler, RetryRecord, RetryStore
@@ -343,6 +344,7 @@ class WorkerRuntime:
                     await self._process(SourceMessage(
                         key=a.key, value=a.value, topic=tp[0], partition=tp[1],
                         offset=a.offset, ack=a.ack,
+                        event=StandInEvent(tp[0], tp[1], a.key, a.offset),
                     ))
                 recovered += len(admitted)
         return recovered

@@ -86,7 +86,17 @@ class DeviceStateObserver:
         event = outcome.event
         message = getattr(event, "message", None)
         if message is not None and message.topic == self.request_topic and message.key:
-            return bytes(message.key), event
+            key = bytes(message.key)
+            device = outcome.device_id.encode() if outcome.device_id else None
+            # The event is not always the outcome's own record: records read to fill a
+            # consumer gap (streamapp.app.admitted) share the event of the record that revealed
+            # the gap, whose key is another device's. A decoded request's key equals its
+            # device_id (else it is dead-lettered as key_mismatch), so a device_id that differs
+            # from the event's key means the event belongs to another record: the device is the
+            # device_id (same partition: both keys hash to it).
+            if device is None or device == key or outcome.reason == "key_mismatch":
+                return key, event
+            return device, None
         if outcome.device_id:
             return outcome.device_id.encode(), None
         return None

@@ -39,7 +39,7 @@ from typing import Any
 import faust
 from aiokafka.partitioner import DefaultPartitioner
 
-from streamapp.faust_compat import event_context
+from streamapp.faust_compat import StandInEvent, event_context
 from streamapp.settings import Settings
 
 __all__ = ["SEAL_KEY", "ChangelogSealer", "FaustDeviceTables", "define_tables"]
@@ -54,25 +54,6 @@ SEAL_KEY = b""
 SEAL_IDLE_S = 0.25
 
 _partitioner = DefaultPartitioner()
-
-
-class _Message:
-    __slots__ = ("key", "partition", "topic")
-
-    def __init__(self, topic: str, partition: int, key: bytes) -> None:
-        self.topic = topic
-        self.partition = partition
-        self.key = key
-
-
-class _StandInEvent:
-    """Just enough of a Faust event for a table write: ``message.topic`` / ``.partition``.
-    Weak-referenceable, as Faust keeps the current event through a weakref."""
-
-    __slots__ = ("__weakref__", "message")
-
-    def __init__(self, topic: str, partition: int, key: bytes) -> None:
-        self.message = _Message(topic, partition, key)
 
 
 class ChangelogSealer:
@@ -212,7 +193,7 @@ class FaustDeviceTables:
             or message.topic != self.request_topic
             or bytes(message.key or b"") != device_key
         ):
-            event = _StandInEvent(
+            event = StandInEvent(
                 self.request_topic, self.partition_of(device_key), device_key
             )
         self.sealer.touched(event.message.partition)

@@ -158,3 +158,19 @@ def test_bucket_keys_parse_back_whatever_the_device_key_holds() -> None:
     for device in (b"cam1", b"a\x00b", b"", "kamera-\u00fc".encode()):
         key = bucket_key(device, 10_000, 1_796_000_000_000)
         assert split_bucket_key(key) == (device, 10_000, 1_796_000_000_000)
+
+
+async def test_outcomes_of_records_read_to_fill_a_gap_count_for_their_own_device() -> None:
+    # Records read to fill a consumer gap share the Faust event of the record that revealed the
+    # gap (streamapp.app.admitted), whose key is another device's.
+    tables, observer, reader, _ = make()
+    trigger = Event(Message(REQUESTS, 1, b"cam1"))
+    for seq, device in enumerate(["cam2", "cam3", "cam2", "cam1"]):
+        outcome = result(device, seq, 1_000.0)
+        outcome.event = trigger
+        observer.on_outcome(outcome)
+    await observer.flush()
+    counts = {d: (reader.stats(d.encode()) or {}).get("counts", {}).get("result")
+              for d in ("cam1", "cam2", "cam3")}
+    assert counts == {"cam1": 1, "cam2": 2, "cam3": 1}
+    assert all(key.split(b"\x00")[0] == device for device, key in tables.written_by)
