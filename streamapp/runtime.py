@@ -207,14 +207,7 @@ class WorkerRuntime:
                 return
             self.ready = False
             pipeline, self.pipeline = self.pipeline, None
-            if self._scheduler is not None:
-                await self._scheduler.stop()
-            try:
-                await asyncio.wait_for(pipeline.batcher.drain(), DRAIN_TIMEOUT_S)
-                if self._flush is not None:  # wait for the broker's acks of what was produced
-                    await asyncio.wait_for(self._flush(), DRAIN_TIMEOUT_S)
-            except (TimeoutError, RuntimeError) as exc:
-                log.warning("stopping with requests in flight (%s); they will be redelivered", exc)
+            await self._drain(pipeline)
             for task in (self._sweep_task, self._commit_task):
                 if task is not None:
                     task.cancel()
@@ -386,9 +379,13 @@ class WorkerRuntime:
         """On a clean stop, before the consumer goes: finish what is in flight (bounded by
         ``DRAIN_TIMEOUT_S``), wait for the broker's acks, and commit, so that the partitions'
         next owner does not process those records again."""
-        pipeline = self.pipeline
-        if pipeline is None:
-            return
+        if self.pipeline is not None:
+            await self._drain(self.pipeline)
+            await self.commit_now()
+
+    async def _drain(self, pipeline: InferencePipeline) -> None:
+        """Stop taking due retries, finish what is in flight and wait for the broker's acks
+        (each bounded by ``DRAIN_TIMEOUT_S``)."""
         if self._scheduler is not None:
             await self._scheduler.stop()
         try:
@@ -397,7 +394,6 @@ class WorkerRuntime:
                 await asyncio.wait_for(self._flush(), DRAIN_TIMEOUT_S)
         except (TimeoutError, RuntimeError) as exc:
             log.warning("stopping with requests in flight (%s); they will be redelivered", exc)
-        await self.commit_now()
 
     def on_assigned(self, assigned: set[TP]) -> None:
         """Partitions were (re)assigned: from now on only records of ``assigned`` are admitted,
