@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
-from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
+from engines._switch import ModuleSwitch
 from engines.cuda.exceptions import CudaError, CudaOutOfMemoryError, CudaUnavailableError
 
 __all__ = ["ENV_STANDIN", "check", "runtime", "use_runtime", "using_standin"]
@@ -26,7 +25,6 @@ __all__ = ["ENV_STANDIN", "check", "runtime", "use_runtime", "using_standin"]
 #: Set to ``1`` to run the CUDA layer on the CPU stand-in (for demos and tests without a GPU).
 ENV_STANDIN = "ENGINES_CUDA_STANDIN"
 
-_override: ModuleType | None = None
 
 # cudaError_t values that mean "no usable CUDA here" rather than "this call failed".
 _UNAVAILABLE = {
@@ -53,42 +51,29 @@ def _import_cudart() -> ModuleType:
     return cudart
 
 
+_SWITCH = ModuleSwitch(ENV_STANDIN, "engines.cuda.fake_runtime", lambda: _import_cudart())
+
+
 def runtime() -> Any:
     """The CUDA runtime API module in use: the override, the stand-in, or cuda-python's.
 
     Raises:
         CudaUnavailableError: cuda-python is not installed (and no stand-in is selected).
     """
-    if _override is not None:
-        return _override
-    if os.environ.get(ENV_STANDIN, "") == "1":
-        from engines.cuda import fake_runtime
-
-        return fake_runtime
-    return _import_cudart()
+    return _SWITCH.current()
 
 
 def using_standin() -> bool:
     """True when the CUDA layer runs on :mod:`engines.cuda.fake_runtime` (no real GPU)."""
-    try:
-        return bool(getattr(runtime(), "IS_STANDIN", False))
-    except CudaUnavailableError:
-        return False
+    return _SWITCH.is_standin(CudaUnavailableError)
 
 
-@contextlib.contextmanager
-def use_runtime(module: ModuleType | None) -> Iterator[None]:
+def use_runtime(module: ModuleType | None) -> contextlib.AbstractContextManager[None]:
     """Run the CUDA layer on ``module`` (e.g. the stand-in) inside the ``with`` block.
 
     Buffers and streams made inside the block must be closed inside it.
     """
-    global _override
-    previous = _override
-    _override = module
-    try:
-        yield
-    finally:
-        _override = previous
+    return _SWITCH.use(module)
 
 
 def _error_name(rt: Any, err: Any) -> str:

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import os
-from collections.abc import Iterator
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
+from engines._switch import ModuleSwitch
 from engines.exceptions import BackendUnavailableError
 
 __all__ = [
@@ -31,7 +30,6 @@ __all__ = [
 #: Set to ``1`` to run the TensorRT backend on the stand-in (with the CUDA stand-in on CPU).
 ENV_STANDIN = "ENGINES_TENSORRT_STANDIN"
 
-_override: ModuleType | None = None
 
 
 def _import_real() -> ModuleType:
@@ -52,27 +50,21 @@ def _import_real() -> ModuleType:
     return module
 
 
+_SWITCH = ModuleSwitch(ENV_STANDIN, "engines.tensorrt.fake_trt", lambda: _import_real())
+
+
 def trt_module() -> ModuleType:
     """The module ``trt`` forwards to now.
 
     Raises:
         BackendUnavailableError: Neither real TensorRT nor the stand-in is available.
     """
-    if _override is not None:
-        return _override
-    if os.environ.get(ENV_STANDIN, "") == "1":
-        from engines.tensorrt import fake_trt
-
-        return fake_trt
-    return _import_real()
+    return _SWITCH.current()
 
 
 def is_standin() -> bool:
     """True when ``trt`` is the stand-in (never ran on real TensorRT)."""
-    try:
-        return bool(getattr(trt_module(), "IS_STANDIN", False))
-    except BackendUnavailableError:
-        return False
+    return _SWITCH.is_standin(BackendUnavailableError)
 
 
 def real_tensorrt_available() -> bool:
@@ -84,16 +76,9 @@ def real_tensorrt_available() -> bool:
     return True
 
 
-@contextlib.contextmanager
-def use_tensorrt(module: ModuleType | None) -> Iterator[None]:
+def use_tensorrt(module: ModuleType | None) -> contextlib.AbstractContextManager[None]:
     """Make ``trt`` forward to ``module`` inside the ``with`` block (e.g. the stand-in)."""
-    global _override
-    previous = _override
-    _override = module
-    try:
-        yield
-    finally:
-        _override = previous
+    return _SWITCH.use(module)
 
 
 class _TensorRTProxy:
