@@ -25,6 +25,8 @@ from typing import Any
 import numpy as np
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
+from streamapp.tasks import cancel_and_wait
+
 __all__ = ["PROBE_KEY", "Collector", "closed_loop", "open_loop", "percentiles", "transport"]
 
 PayloadFn = Callable[[int, float], tuple[bytes, bytes]]
@@ -140,12 +142,7 @@ class Collector:
         return have() >= n
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(self._task)
         if self._consumer is not None:
             await self._consumer.stop()
 

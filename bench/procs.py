@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -18,8 +17,10 @@ from typing import Any
 
 import psutil
 
-from streamapp.broker import EmbeddedBroker, create_topics
-from streamapp.process import WorkerProcess, free_port
+from streamapp.broker import EmbeddedBroker
+from streamapp.children import free_port, popen_child, terminate_group
+from streamapp.kafka import create_topics
+from streamapp.process import WorkerProcess
 
 __all__ = ["Forwarder", "Sampler", "fresh_broker", "profile_pid", "start_worker"]
 
@@ -86,9 +87,9 @@ class Forwarder:
                    STREAMAPP_TOPIC_PARTITIONS=str(self.partitions), PYTHONUNBUFFERED="1",
                    BENCH_FWD_SOURCE=self.source, BENCH_FWD_SINK=self.sink)
         with open(self.log_dir / "forwarder.log", "ab") as log:
-            self.process = subprocess.Popen(
+            self.process = popen_child(
                 [sys.executable, "-m", "bench.forwarder"],
-                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                stdout=log, stderr=subprocess.STDOUT, env=env,
             )
         return self
 
@@ -98,14 +99,8 @@ class Forwarder:
         return self.process.pid
 
     def __exit__(self, *exc: object) -> None:
-        proc = self.process
-        if proc is not None and proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(5)
+        if self.process is not None:
+            terminate_group(self.process, timeout_s=15.0)
         shutil.rmtree(self.data_dir, ignore_errors=True)
 
 

@@ -24,7 +24,7 @@ from typing import Any
 from bench import load
 from bench.procs import Forwarder, Sampler, fresh_broker, profile_pid, py_spy, start_worker
 from bench.workloads import Workload, forwarded_parse, result_parse, workload
-from streamapp.broker import create_topics
+from streamapp.kafka import create_topics
 
 __all__ = ["PROFILES", "Plan", "Profile", "run_profile"]
 

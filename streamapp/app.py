@@ -1,4 +1,5 @@
-"""The Faust application: topics, the request agent and the worker's web views.
+"""The Faust application and the one place the worker is wired together: Faust options,
+topics, tables, delivery, runtime, state, web views and the two agents.
 
 ``faust -A streamapp.app worker`` finds the module attribute ``app``, created on first access
 from the environment (``STREAMAPP_*``); ``streamapp worker`` builds it with :func:`create_app`
@@ -12,21 +13,17 @@ import logging
 from typing import Any
 
 import faust
-from faust.types import TP
+from yarl import URL
 
 from streamapp.agents.pipeline import SourceMessage
-from streamapp.client import kafka_security_options, read_partition_range
-from streamapp.faust_compat import (
-    StandInEvent,
-    commit_offsets,
-    committed_or_earliest,
-    event_context,
-    set_fetch_max_wait,
-)
+from streamapp.delivery import Delivery
+from streamapp.faust_compat import FaustConsumer, FaustSink, event_context, set_fetch_max_wait
+from streamapp.kafka import ssl_context
 from streamapp.retry import RetryRecord
-from streamapp.runtime import FaustSink, WorkerRuntime
+from streamapp.runtime import WorkerRuntime
 from streamapp.settings import Settings, load_settings
-from streamapp.state import install_state
+from streamapp.state import advertised_host, build_state
+from streamapp.views import install_views
 
 __all__ = ["TableRetryStore", "create_app"]
 
@@ -34,17 +31,15 @@ log = logging.getLogger(__name__)
 
 
 def faust_options(settings: Settings) -> dict[str, Any]:
-    """Faust app settings derived from ours (group timings per docs/broker.md).
+    """Every Faust app setting derived from ours (group timings per docs/broker.md).
 
     Security: ``broker_credentials`` is a ``faust.SSLCredentials`` (SSL), a
     ``faust.SASLCredentials`` (SASL_PLAINTEXT; with the TLS context for SASL_SSL), or absent
     (PLAINTEXT); Faust hands it to every consumer and producer it creates.
 
     Raises:
-        ConfigError: A TLS file cannot be loaded (see :func:`streamapp.client.ssl_context`).
+        ConfigError: A TLS file cannot be loaded (see :func:`streamapp.kafka.ssl_context`).
     """
-    from streamapp.client import ssl_context  # the one place TLS contexts are built
-
     security: dict[str, Any] = {}
     context = ssl_context(settings)
     if settings.security_protocol.startswith("SASL_"):
@@ -76,6 +71,10 @@ def faust_options(settings: Settings) -> dict[str, Any]:
         "key_serializer": "raw",
         "value_serializer": "raw",
         "web_enabled": True,
+        # Routing needs the URL peers reach us at (Faust derives it from web_host, where ours
+        # is the bind address; a wildcard bind would advertise 0.0.0.0).
+        "canonical_url": URL(f"http://{advertised_host(settings)}:{settings.web_port}"),
+        "recovery_consistency_check": settings.table_consistency_check,
     }
 
 
@@ -131,7 +130,7 @@ def create_app(settings: Settings | None = None) -> faust.App:
            "value_serializer": "raw"}
     partitions = conf.topic_partitions
     # acks=False: Faust's own ack/commit bookkeeping loses records around rebalances; offsets
-    # of our source topics are committed by streamapp.offsets instead.
+    # of our source topics are committed by streamapp.delivery instead.
     request_topic = app.topic(
         conf.request_topic, partitions=partitions, acks=False, **raw  # type: ignore[arg-type]
     )
@@ -153,29 +152,22 @@ def create_app(settings: Settings | None = None) -> faust.App:
         partitions=partitions, store="memory://",
     )
     retry_store = TableRetryStore(retry_counts)
-    runtime = WorkerRuntime(
-        conf,
-        start_offset=lambda topic, partition: committed_or_earliest(app, topic, partition),
-        commit=lambda offsets: commit_offsets(app, offsets),
-        read_range=lambda topic, partition, start, end: read_partition_range(
-            conf.bootstrap_servers, topic, partition, start, end,
-            security=kafka_security_options(conf),
-        ),
-        flush=lambda: app.producer.flush(),
-        on_fatal=lambda exc: app.crash(exc),
-        position=lambda topic, partition: app.consumer.position(TP(topic, partition)),
-    )
+    faust_side = FaustConsumer(app, conf)
+    delivery = Delivery(faust_side, commit_interval_s=conf.commit_interval_ms / 1000.0)
+    runtime = WorkerRuntime(conf, delivery, faust_side)
     sink = FaustSink(outputs)
+    state = build_state(app, conf, runtime)  # device tables and metrics
+    install_views(app, state)  # /health /ready /engines /metrics /devices ...
+    observers = state.observers
     app.streamapp_runtime = runtime  # type: ignore[attr-defined]
     app.streamapp_settings = conf  # type: ignore[attr-defined]
     app.streamapp_retry_counts = retry_counts  # type: ignore[attr-defined]
-    # Device tables, metrics and the web views (/health /ready /engines /metrics /devices ...).
-    observers = install_state(app, conf, runtime)
+    app.streamapp_state = state  # type: ignore[attr-defined]
 
     @app.on_partitions_assigned.connect  # type: ignore[arg-type]
     async def on_assigned(app_: Any, assigned: set[Any], **kwargs: Any) -> None:
         set_fetch_max_wait(app, conf.fetch_max_wait_ms)
-        runtime.on_assigned({
+        delivery.on_assigned({
             (tp.topic, tp.partition) for tp in assigned
             if tp.topic in (conf.request_topic, conf.retry_topic)
         })
@@ -187,35 +179,17 @@ def create_app(settings: Settings | None = None) -> faust.App:
 
     @app.on_partitions_revoked.connect  # type: ignore[arg-type]
     async def on_revoked(app_: Any, revoked: set[Any], **kwargs: Any) -> None:
-        await runtime.on_revoked({(tp.topic, tp.partition) for tp in revoked})
+        await delivery.on_revoked({(tp.topic, tp.partition) for tp in revoked})
 
     async def admitted(event: Any) -> list[SourceMessage]:
         """The records to process for this event (more than one after a consumer gap)."""
         m = event.message
-        return [
-            # records read to fill a gap get an event of their own (same partition, their key)
-            SourceMessage(
-                key=a.key, value=a.value, topic=m.topic, partition=m.partition, offset=a.offset,
-                ack=a.ack,
-                event=event if a.offset == m.offset
-                else StandInEvent(m.topic, m.partition, a.key, a.offset),
-            )
-            for a in await runtime.admit(m.topic, m.partition, m.offset, m.key, m.value)
-        ]
-
-    async def process(message: SourceMessage) -> None:
-        """Records read to fill a gap found while idle (see WorkerRuntime.sweep_gaps)."""
-        if message.topic == conf.retry_topic:
-            await runtime.schedule_retry(message.value, message, retry_store)
-        elif runtime.pipeline is not None:
-            await runtime.pipeline.handle(message)
-
-    runtime.set_processor(process)
+        return await delivery.admit(m.topic, m.partition, m.offset, m.key, m.value, event)
 
     @app.agent(request_topic, name="inference")
     async def inference(stream: faust.StreamT[bytes]) -> None:
         # noack + acks=False: a record counts as finished only when the broker acknowledged its
-        # result, retry record or dead letter (see streamapp.offsets).
+        # result, retry record or dead letter (see streamapp.delivery).
         pipeline = await runtime.acquire(sink, retry_store, observers)
         try:
             async for event in stream.noack().events():  # type: ignore[attr-defined]
@@ -230,7 +204,7 @@ def create_app(settings: Settings | None = None) -> faust.App:
         try:
             async for event in stream.noack().events():  # type: ignore[attr-defined]
                 for message in await admitted(event):
-                    await runtime.schedule_retry(message.value, message, retry_store)
+                    await runtime.schedule_retry(message, retry_store)
         finally:
             await runtime.release()
 

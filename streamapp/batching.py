@@ -26,8 +26,10 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
+
+from streamapp.tasks import cancel_and_wait
 
 __all__ = ["BatchInfo", "BatcherStats", "Completion", "MicroBatcher"]
 
@@ -87,7 +89,6 @@ class BatcherStats:
     failed_batches: int = 0
     max_pending_seen: int = 0
     max_inflight_seen: int = 0
-    batch_sizes: list[int] = field(default_factory=list)
 
 
 class _Slot(Generic[T]):
@@ -193,15 +194,7 @@ class MicroBatcher(Generic[T]):
         if drain and self._dispatcher is not None:
             await self.drain()
         self._stopping = True
-        for task in [self._dispatcher, self._emitter, *self._tasks]:
-            if task is not None:
-                task.cancel()
-        for task in [self._dispatcher, self._emitter, *self._tasks]:
-            if task is not None:
-                try:
-                    await task
-                except asyncio.CancelledError:
-                    pass
+        await cancel_and_wait(self._dispatcher, self._emitter, *self._tasks)
         self._dispatcher = self._emitter = None
 
     async def __aenter__(self) -> MicroBatcher[T]:
@@ -324,7 +317,6 @@ class MicroBatcher(Generic[T]):
             batch_id, len(items), reason, batch.opened_at, closed_at, started_at, self._clock()
         )
         self.stats.batches += 1
-        self.stats.batch_sizes.append(len(items))
         setattr(self.stats, f"closed_by_{reason}", getattr(self.stats, f"closed_by_{reason}") + 1)
         for i, slot in enumerate(batch.slots):
             slot.completion.batch = info

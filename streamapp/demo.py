@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from streamapp.broker import EmbeddedBroker, create_topics
+from streamapp.broker import EmbeddedBroker
 from streamapp.client import (
     Outcomes,
     collect_outcomes,
@@ -28,6 +28,7 @@ from streamapp.client import (
     publish,
 )
 from streamapp.codecs import CodecName
+from streamapp.kafka import create_topics
 from streamapp.models import ModelRepository
 from streamapp.process import WorkerProcess
 from streamapp.settings import load_settings

@@ -27,9 +27,9 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.structs import ConsumerRecord
 
-from streamapp.client import _partitions, start_or_close
 from streamapp.codecs import dead_letter_to_dict, decode_dead_letter
 from streamapp.exceptions import BrokerError
+from streamapp.kafka import partitions_of, start_or_close
 from streamapp.records import DeadLetter
 
 __all__ = [
@@ -204,7 +204,7 @@ class DeadLetterReader:
         await start_or_close(self._consumer)
         try:
             try:
-                partitions = await _partitions(self._consumer, self.topic)
+                partitions = await partitions_of(self._consumer, self.topic)
             except RuntimeError:
                 raise BrokerError(
                     f"topic {self.topic!r} does not exist; check --broker and the topic prefix "

@@ -6,19 +6,26 @@ public API for it.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
 from faust.streams import _current_event
 from faust.types import TP
 
+from streamapp.kafka import kafka_security_options, read_partition_range
+from streamapp.settings import Settings
+
 __all__ = [
+    "FaustConsumer",
+    "FaustSink",
     "StandInEvent",
     "commit_offsets",
     "committed_or_earliest",
     "event_context",
+    "partition_lag",
     "set_fetch_max_wait",
 ]
 
@@ -55,7 +62,7 @@ async def committed_or_earliest(app: Any, topic: str, partition: int) -> int:
     return int(next(iter(earliest.values()), 0) or 0)
 
 
-async def commit_offsets(app: Any, offsets: dict[tuple[str, int], int]) -> bool:
+async def commit_offsets(app: Any, offsets: Mapping[tuple[str, int], int]) -> bool:
     """Commit ``{(topic, partition): next offset}`` for the group, bypassing Faust's ack-based
     bookkeeping (see :mod:`streamapp.offsets`). Partitions no longer assigned are skipped by
     Faust's driver. Returns True when the broker accepted the commit."""
@@ -108,3 +115,93 @@ class StandInEvent:
 
     def __init__(self, topic: str, partition: int, key: bytes | None, offset: int = -1) -> None:
         self.message = _StandInMessage(topic, partition, key, offset)
+
+
+class FaustConsumer:
+    """The worker's side of Faust: :class:`streamapp.delivery.Consumer` over Faust's consumer,
+    and :class:`streamapp.runtime.WorkerHost` (flush the producer, crash the app).
+
+    Args:
+        app: The worker's Faust app.
+        settings: ``bootstrap_servers`` and the security settings (for direct partition reads).
+    """
+
+    def __init__(self, app: Any, settings: Settings) -> None:
+        self.app = app
+        self.settings = settings
+
+    async def committed_or_earliest(self, topic: str, partition: int) -> int:
+        return await committed_or_earliest(self.app, topic, partition)
+
+    async def commit(self, offsets: Mapping[tuple[str, int], int]) -> bool:
+        return await commit_offsets(self.app, offsets)
+
+    async def position(self, topic: str, partition: int) -> int | None:
+        position = await self.app.consumer.position(TP(topic, partition))
+        return None if position is None else int(position)
+
+    async def read_range(
+        self, topic: str, partition: int, start: int, end: int
+    ) -> list[tuple[int, bytes | None, bytes | None]]:
+        return await read_partition_range(
+            self.settings.bootstrap_servers, topic, partition, start, end,
+            security=kafka_security_options(self.settings),
+        )
+
+    async def flush(self) -> None:
+        """Wait until the producer has sent everything buffered."""
+        await self.app.producer.flush()
+
+    async def crash(self, exc: BaseException) -> None:
+        """Stop the worker with ``exc`` (it cannot serve)."""
+        await self.app.crash(exc)
+
+
+class FaustSink:
+    """:class:`streamapp.agents.pipeline.Sink` over Faust topics (raw key and value bytes).
+
+    Args:
+        topics: Topic name -> Faust topic.
+    """
+
+    def __init__(self, topics: dict[str, Any]) -> None:
+        self._topics = topics
+
+    async def send(self, topic: str, key: bytes | None, value: bytes) -> Awaitable[Any]:
+        fut: Awaitable[Any] = await self._topics[topic].send(key=key, value=value)
+        return fut
+
+
+async def partition_lag(
+    app: Any, topics: Iterable[str]
+) -> tuple[dict[tuple[str, int], int], dict[tuple[str, int], int], dict[str, int]]:
+    """Consumer lag of this worker's assigned partitions of ``topics``.
+
+    Uses the high watermark of the last fetch response (right on Tansu, unlike the ListOffsets
+    answer, docs/broker.md) and the consumer's position.
+
+    Returns:
+        ``(lag, highwater, assigned)``: records behind and high watermark per fetched
+        ``(topic, partition)``, and the number of assigned partitions per topic.
+    """
+    wanted = tuple(topics)
+    lag: dict[tuple[str, int], int] = {}
+    highwater: dict[tuple[str, int], int] = {}
+    assigned: dict[str, int] = dict.fromkeys(wanted, 0)
+    consumer = app.consumer
+    tps = []
+    with contextlib.suppress(Exception):  # consumer not started yet
+        tps = [tp for tp in consumer.assignment() if tp.topic in wanted]
+    for tp in tps:
+        assigned[tp.topic] += 1
+        try:
+            hw = consumer.highwater(tp)  # None until the partition was fetched
+            position = await consumer.position(tp) if hw is not None else None
+        except Exception:  # e.g. revoked between assignment() and here
+            continue
+        if hw is None:
+            continue
+        highwater[(tp.topic, tp.partition)] = int(hw)
+        if position is not None:
+            lag[(tp.topic, tp.partition)] = max(0, int(hw) - int(position))
+    return lag, highwater, assigned

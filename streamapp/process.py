@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,17 +13,11 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from streamapp.children import free_port, popen_child, terminate_group
 from streamapp.exceptions import StreamAppError
 
-__all__ = ["WorkerProcess", "free_port"]
+__all__ = ["WorkerProcess"]
 
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago on ``host``."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 class WorkerProcess:
@@ -57,13 +50,9 @@ class WorkerProcess:
         env.setdefault("PYTHONUNBUFFERED", "1")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(
+            self.process = popen_child(
                 [sys.executable, "-m", "streamapp", "worker"],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                cwd=self.cwd,
-                start_new_session=True,
+                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.cwd,
             )
         return self
 
@@ -104,18 +93,9 @@ class WorkerProcess:
 
     def stop(self, timeout_s: float = 15.0, sig: int = signal.SIGTERM) -> int | None:
         """Send ``sig`` (SIGTERM: clean shutdown), then SIGKILL after ``timeout_s``. Idempotent."""
-        proc = self.process
-        if proc is None or proc.poll() is not None:
-            return None if proc is None else proc.returncode
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            pass
-        try:
-            return proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            return proc.wait(5)
+        if self.process is None:
+            return None
+        return terminate_group(self.process, timeout_s, sig)
 
     def kill(self) -> None:
         """SIGKILL the worker (a crash)."""

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from streamapp.exceptions import InvalidRequestError
+from streamapp.tasks import cancel_and_wait
 
 __all__ = [
     "DelayScheduler",
@@ -168,13 +169,8 @@ class DelayScheduler:
             self._task = asyncio.create_task(self._run(), name="retry-scheduler")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
 
     async def _run(self) -> None:
         while True:

@@ -1,8 +1,7 @@
-"""A worker's queryable state and observability, installed by one call from ``create_app``.
+"""A worker's queryable state and observability: what the web views query.
 
-:func:`install_state` defines the device tables (:mod:`streamapp.tables`), the metrics
-(:mod:`streamapp.metrics`) and the web views (:mod:`streamapp.views`) on the app, and returns the
-pipeline observers that feed them.
+:func:`build_state` defines the device tables (:mod:`streamapp.tables`) and the metrics
+(:mod:`streamapp.metrics`) on the app; :mod:`streamapp.app` installs the views on it.
 """
 
 from __future__ import annotations
@@ -14,15 +13,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import faust
-from yarl import URL
 
 from streamapp.agents.observer import PipelineObserver
+from streamapp.faust_compat import partition_lag
 from streamapp.metrics import Metrics, WorkerGauges
 from streamapp.settings import Settings
 from streamapp.tables import DeviceStateObserver, DeviceStateReader, WindowPlan
 from streamapp.tables.faust_tables import FaustDeviceTables, define_tables
 
-__all__ = ["WorkerState", "advertised_host", "install_state"]
+__all__ = ["WorkerState", "advertised_host", "build_state"]
 
 log = logging.getLogger(__name__)
 
@@ -92,36 +91,21 @@ class WorkerState:
         gauges.table_flushes = stats.flushes
         gauges.table_rows_written = stats.rows_written
         gauges.table_buckets_expired = stats.buckets_expired
-        topics = (self.settings.request_topic, self.settings.retry_topic)
-        lag: dict[tuple[str, int], int] = {}
-        highwater: dict[tuple[str, int], int] = {}
-        assigned: dict[str, int] = dict.fromkeys(topics, 0)
-        consumer = self.app.consumer
-        tps = []
-        with contextlib.suppress(Exception):  # consumer not started yet
-            tps = [tp for tp in consumer.assignment() if tp.topic in topics]
-        for tp in tps:
-            assigned[tp.topic] += 1
-            try:
-                # The high watermark of the last fetch response: right on Tansu, unlike the
-                # ListOffsets answer (docs/broker.md); None until the partition was fetched.
-                hw = consumer.highwater(tp)
-                position = await consumer.position(tp) if hw is not None else None
-            except Exception:  # e.g. revoked between assignment() and here
-                continue
-            if hw is None:
-                continue
-            highwater[(tp.topic, tp.partition)] = int(hw)
-            if position is not None:
-                lag[(tp.topic, tp.partition)] = max(0, int(hw) - int(position))
-        gauges.lag, gauges.highwater, gauges.assigned = lag, highwater, assigned
+        gauges.lag, gauges.highwater, gauges.assigned = await partition_lag(
+            self.app, (self.settings.request_topic, self.settings.retry_topic)
+        )
+
+    @property
+    def observers(self) -> list[PipelineObserver]:
+        """The pipeline observers that feed this state: the device-state writer, the metrics."""
+        return [self.observer, self.metrics]
 
 
-def install_state(app: faust.App, settings: Settings, runtime: Any) -> list[PipelineObserver]:
-    """Define device tables, metrics and web views on ``app``.
+def build_state(app: faust.App, settings: Settings, runtime: Any) -> WorkerState:
+    """Define the device tables and the metrics on ``app``.
 
-    Call it from ``create_app`` before the worker starts; pass the returned observers to the
-    pipeline.
+    Call it from ``create_app`` before the worker starts; pass :attr:`WorkerState.observers` to
+    the pipeline.
 
     Args:
         app: The worker's Faust app.
@@ -130,14 +114,8 @@ def install_state(app: faust.App, settings: Settings, runtime: Any) -> list[Pipe
             ``describe()``, ``pipeline``).
 
     Returns:
-        The pipeline observers: the device-state writer and the metrics.
+        The state the views query.
     """
-    from streamapp.views import install_views
-
-    # Routing needs the URL peers reach us at (Faust derives it from web_host at app creation,
-    # where ours is the bind address; a wildcard bind would advertise 0.0.0.0).
-    app.conf.canonical_url = URL(f"http://{advertised_host(settings)}:{settings.web_port}")
-    app.conf.recovery_consistency_check = settings.table_consistency_check
     plan = WindowPlan.from_settings(settings)
     tables = define_tables(app, settings)
     observer = DeviceStateObserver(
@@ -150,6 +128,4 @@ def install_state(app: faust.App, settings: Settings, runtime: Any) -> list[Pipe
         observer=observer, reader=DeviceStateReader(tables, plan), metrics=metrics,
     )
     metrics.add_refresher(state.refresh_gauges)
-    install_views(app, state)
-    app.streamapp_state = state  # type: ignore[attr-defined]
-    return [observer, metrics]
+    return state

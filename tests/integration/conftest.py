@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from streamapp.broker import EmbeddedBroker, create_topics
+from streamapp.broker import EmbeddedBroker
+from streamapp.kafka import create_topics
 from streamapp.process import WorkerProcess
 from streamapp.settings import Settings, load_settings
 

@@ -23,7 +23,7 @@ import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from prometheus_client.parser import text_string_to_metric_families
 
-from streamapp.broker import EmbeddedBroker, create_topics
+from streamapp.broker import EmbeddedBroker
 from streamapp.client import (
     SentRequest,
     collect_outcomes,
@@ -32,6 +32,7 @@ from streamapp.client import (
     publish,
     publish_values,
 )
+from streamapp.kafka import create_topics
 from streamapp.process import WorkerProcess
 from streamapp.settings import Settings
 

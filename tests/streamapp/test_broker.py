@@ -15,8 +15,9 @@ from aiokafka.protocol.metadata import MetadataRequest
 from aiokafka.structs import TopicPartition
 
 import streamapp.broker as broker_module
-from streamapp.broker import EmbeddedBroker, create_topics
+from streamapp.broker import EmbeddedBroker
 from streamapp.exceptions import BrokerError
+from streamapp.kafka import create_topics
 
 pytestmark = pytest.mark.kafka
 
@@ -161,7 +162,7 @@ def test_start_retries_when_picked_port_is_taken(
     """Another process grabbing the picked port before Tansu binds it makes Tansu panic yet exit
     with status 0; the broker must notice and move to another port."""
     busy_port = listening_socket.getsockname()[1]
-    real_pick = broker_module._pick_free_port
+    real_pick = broker_module.free_port
     picks: list[int] = []
 
     def pick_busy_first(host: str) -> int:
@@ -169,7 +170,7 @@ def test_start_retries_when_picked_port_is_taken(
         picks.append(port)
         return port
 
-    monkeypatch.setattr(broker_module, "_pick_free_port", pick_busy_first)
+    monkeypatch.setattr(broker_module, "free_port", pick_busy_first)
 
     with EmbeddedBroker() as broker:
         assert picks[0] == busy_port

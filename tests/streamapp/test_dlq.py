@@ -16,7 +16,7 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from typer.testing import CliRunner
 
-from streamapp.broker import EmbeddedBroker, create_topics
+from streamapp.broker import EmbeddedBroker
 from streamapp.cli import cli
 from streamapp.codecs import encode_dead_letter
 from streamapp.dlq import (
@@ -29,6 +29,7 @@ from streamapp.dlq import (
     replay_dead_letters,
 )
 from streamapp.exceptions import BrokerError
+from streamapp.kafka import create_topics
 from streamapp.records import DeadLetter
 from streamapp.settings import Settings, load_settings
 

@@ -20,8 +20,8 @@ from typer.testing import CliRunner
 
 from streamapp.app import faust_options
 from streamapp.cli import cli
-from streamapp.client import kafka_security_options, ssl_context
 from streamapp.exceptions import ConfigError
+from streamapp.kafka import kafka_security_options, ssl_context
 from streamapp.settings import Settings, load_settings
 
 SECRET = "hunter2-secret"

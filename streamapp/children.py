@@ -1,0 +1,94 @@
+"""Child processes of ours (the embedded broker, workers, benchmark processes): one way to pick
+a free port, start a child in its own process group that dies with its parent, and stop it.
+
+Used by :mod:`streamapp.broker`, :mod:`streamapp.process` and ``bench/procs.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["free_port", "popen_child", "terminate_group"]
+
+#: ``PR_SET_PDEATHSIG`` from ``<linux/prctl.h>``.
+_PR_SET_PDEATHSIG = 1
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port the OS considered free a moment ago on ``host`` (bind to port 0, release).
+
+    Another process may take it before the caller binds it: callers that start a server on it
+    retry on a new port when the bind fails (see :class:`streamapp.broker.EmbeddedBroker`).
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` asking Linux to SIGKILL the child when its parent dies, so that a
+    killed test run or benchmark leaves no broker or worker behind; None off Linux."""
+    if not sys.platform.startswith("linux"):
+        return None
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    libc = ctypes.CDLL(name, use_errno=True)
+
+    def preexec() -> None:
+        # Runs in the child between fork and exec; errors are ignored (best effort).
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+    return preexec
+
+
+def popen_child(command: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
+    """``subprocess.Popen`` in a new session (its own process group, so that
+    :func:`terminate_group` reaches its children too) that is killed when this process dies.
+
+    Linux sends the parent-death signal when the *thread* that started the child exits: start
+    long-lived children from a thread that lives as long as they should.
+
+    Args:
+        command: Program and arguments.
+        **kwargs: Passed to ``Popen`` (``stdout``, ``env``, ``cwd`` ...).
+    """
+    return subprocess.Popen(
+        command, start_new_session=True, preexec_fn=_die_with_parent(), **kwargs
+    )
+
+
+def terminate_group(
+    process: subprocess.Popen[bytes], timeout_s: float = 15.0, sig: int = signal.SIGTERM
+) -> int | None:
+    """Send ``sig`` to the child's process group, wait up to ``timeout_s``, then SIGKILL the
+    group; reaps the child. Idempotent.
+
+    Args:
+        process: A child started by :func:`popen_child` (leader of its own group).
+        timeout_s: Seconds to wait for it to exit after ``sig``.
+        sig: The first signal (SIGTERM: a clean stop; SIGKILL: a crash).
+
+    Returns:
+        Its exit status (negative: killed by that signal).
+    """
+    if process.poll() is not None:
+        return process.returncode  # reaped: its pid (and group id) may be someone else's now
+    # The unreaped child keeps its group id reserved, so signalling the group is safe until wait.
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, sig)
+    try:
+        return process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
+        return process.wait()

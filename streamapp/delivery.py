@@ -1,0 +1,291 @@
+"""Delivery: which source record is processed, when it counts as finished, what is committed.
+
+One module for the worker's delivery guarantee (at least once, no record skipped, per-partition
+read order), talking to the Kafka consumer only through the small :class:`Consumer` protocol
+(implemented for Faust once, by :class:`streamapp.faust_compat.FaustConsumer`):
+
+* **admission** — every record the agent reads goes through :meth:`Delivery.admit`: records of
+  partitions no longer assigned are dropped, the :class:`~streamapp.offsets.OffsetTracker`
+  decides accept / drop (already read) / gap (records skipped by the consumer), one partition at
+  a time (a lock per partition);
+* **gap filling** — records the consumer skipped are read directly from the broker and handed
+  out first; :meth:`Delivery.sweep_gaps` finds those skipped at the *end* of a partition, where no
+  later record reveals the gap;
+* **acknowledgement** — each :class:`~streamapp.agents.pipeline.SourceMessage` handed out carries
+  its ``ack``, which marks the record finished once its outcome is on the broker;
+* **commits** — every ``commit_interval_ms`` (and on revocation and shutdown) the finished prefix
+  of each partition is committed.
+
+Why streamapp commits itself instead of letting Faust do it: see :mod:`streamapp.offsets`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from streamapp.agents.pipeline import SourceMessage
+from streamapp.faust_compat import StandInEvent
+from streamapp.offsets import TP, OffsetTracker
+from streamapp.tasks import cancel_and_wait
+
+__all__ = ["GAP_IDLE_S", "Consumer", "Delivery", "DeliveryStats", "Record"]
+
+log = logging.getLogger(__name__)
+
+#: Seconds without any record read after which the consumer's position is compared with what was
+#: read, to find records skipped at the end of a partition.
+GAP_IDLE_S = 2.0
+
+#: ``(offset, key, value)`` of a record read directly from a partition.
+Record = tuple[int, bytes | None, bytes | None]
+
+
+class Consumer(Protocol):
+    """What delivery needs from the group's consumer (Faust's, in a worker)."""
+
+    async def committed_or_earliest(self, topic: str, partition: int) -> int:
+        """The group's committed offset of the partition, else its log start."""
+        ...
+
+    async def commit(self, offsets: Mapping[TP, int]) -> bool:
+        """Commit ``{(topic, partition): next offset}`` for the group; True when accepted."""
+        ...
+
+    async def position(self, topic: str, partition: int) -> int | None:
+        """The consumer's fetch position of the partition (None: unknown)."""
+        ...
+
+    async def read_range(self, topic: str, partition: int, start: int, end: int) -> list[Record]:
+        """Records ``start <= offset < end`` read directly from the broker, in offset order
+        (fewer when some no longer exist)."""
+        ...
+
+
+@dataclass
+class DeliveryStats:
+    """Counters since start (exported in ``/metrics``).
+
+    Attributes:
+        commits: Commits the broker accepted.
+        commit_failures: Commits that raised (retried at the next interval).
+    """
+
+    commits: int = 0
+    commit_failures: int = 0
+
+
+class Delivery:
+    """Admission, gap filling, acknowledgement and commits of one worker's source partitions.
+
+    Args:
+        consumer: The group's consumer.
+        commit_interval_s: Seconds between periodic commits.
+        gap_idle_s: Seconds without any admitted record before :meth:`sweep_gaps` compares
+            positions (default :data:`GAP_IDLE_S`).
+    """
+
+    def __init__(
+        self, consumer: Consumer, *, commit_interval_s: float, gap_idle_s: float = GAP_IDLE_S
+    ) -> None:
+        self.consumer = consumer
+        self.tracker = OffsetTracker(consumer.committed_or_earliest)
+        self.stats = DeliveryStats()
+        self.commit_interval_s = commit_interval_s
+        self.gap_idle_s = gap_idle_s
+        #: Assigned source partitions, as told by :meth:`on_assigned`; None: not told (tests),
+        #: then every record is admitted.
+        self._assigned: set[TP] | None = None
+        self._tp_locks: dict[TP, asyncio.Lock] = {}
+        self._last_admit_at = 0.0
+        self._last_rebalance_at = 0.0
+        self._process: Callable[[SourceMessage], Awaitable[None]] | None = None
+        self._busy: Callable[[], bool] = lambda: False
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    def start(
+        self, process: Callable[[SourceMessage], Awaitable[None]], busy: Callable[[], bool]
+    ) -> None:
+        """Start the commit loop and the gap sweeper.
+
+        Args:
+            process: How records recovered by :meth:`sweep_gaps` are processed.
+            busy: True while the pipeline applies backpressure (records may then wait in the
+                consumer's buffers, so the sweeper must not read them).
+        """
+        self._process, self._busy = process, busy
+        self._last_admit_at = time.monotonic()
+        self._tasks = [
+            asyncio.create_task(self._commit_loop(), name="commits"),
+            # its own task: a sweep that recovers many records must not hold up commits
+            asyncio.create_task(self._sweep_loop(), name="gap-sweeper"),
+        ]
+
+    async def stop(self) -> None:
+        """Stop both loops and commit what finished."""
+        await cancel_and_wait(*self._tasks)
+        self._tasks = []
+        await self.commit_now()
+
+    # -- admission --------------------------------------------------------------------------------
+
+    async def admit(
+        self, topic: str, partition: int, offset: int, key: bytes | None, value: bytes | None,
+        event: Any = None,
+    ) -> list[SourceMessage]:
+        """Check a record just read against the tracker.
+
+        Args:
+            topic / partition / offset / key / value: The record.
+            event: The Faust event it came in (tables write in its context).
+
+        Returns:
+            The records to process now, in offset order: the record itself; nothing when it was
+            already read or its partition is no longer assigned; or, when the consumer skipped
+            records before it (a gap), those records — read directly from the broker, each with
+            an event of its own — followed by this one.
+        """
+        self._last_admit_at = time.monotonic()
+        if self._assigned is not None and (topic, partition) not in self._assigned:
+            # Fetched before its partition was revoked and delivered late: its new owner
+            # processes it. Tracking it here would leave stale state behind.
+            return []
+        async with self._lock_for((topic, partition)):
+            decision, epoch = await self.tracker.on_read(topic, partition, offset)
+            if decision == "drop":
+                return []
+            admitted: list[SourceMessage] = []
+            if decision == "gap":
+                admitted += await self._read_gap(topic, partition, offset)
+                decision, epoch = await self.tracker.on_read(topic, partition, offset)
+            if decision == "accept":
+                admitted.append(self._message(topic, partition, offset, key, value, epoch, event))
+            return admitted
+
+    def _message(
+        self, topic: str, partition: int, offset: int, key: bytes | None, value: bytes | None,
+        epoch: int, event: Any = None,
+    ) -> SourceMessage:
+        """The one place a :class:`SourceMessage` is built for an admitted record."""
+        tracker = self.tracker
+        return SourceMessage(
+            key=key, value=value, topic=topic, partition=partition, offset=offset,
+            ack=lambda: tracker.done(topic, partition, offset, epoch),
+            event=event if event is not None else StandInEvent(topic, partition, key, offset),
+        )
+
+    async def _read_gap(self, topic: str, partition: int, end: int) -> list[SourceMessage]:
+        """Read and accept the records from the partition's next expected offset up to ``end``."""
+        state = self.tracker.state((topic, partition))
+        assert state is not None
+        missing = await self.consumer.read_range(topic, partition, state.next_offset, end)
+        admitted = []
+        for o, k, v in missing:
+            self.tracker.skip_to(topic, partition, o)  # only moves past deleted records
+            decision, epoch = await self.tracker.on_read(topic, partition, o)
+            if decision == "accept":
+                admitted.append(self._message(topic, partition, o, k, v, epoch))
+        state = self.tracker.state((topic, partition))
+        if state is not None and state.next_offset < end:
+            self.tracker.skip_to(topic, partition, end)
+        return admitted
+
+    def _lock_for(self, tp: TP) -> asyncio.Lock:
+        lock = self._tp_locks.get(tp)
+        if lock is None:
+            lock = self._tp_locks[tp] = asyncio.Lock()
+        return lock
+
+    # -- gaps at the end of a partition -----------------------------------------------------------
+
+    async def sweep_gaps(self) -> int:
+        """Find records the consumer skipped at the *end* of a partition, where no later record
+        arrives to reveal the gap, and process them.
+
+        Only when no record was admitted for ``gap_idle_s`` and the pipeline is not applying
+        backpressure: then nothing is waiting in Faust's buffers, and a consumer position beyond
+        the next expected offset means skipped records.
+
+        Returns:
+            How many records were recovered.
+        """
+        if self._assigned is None or self._process is None:
+            return 0
+        now = time.monotonic()
+        if now - max(self._last_admit_at, self._last_rebalance_at) < self.gap_idle_s:
+            return 0  # records may still be in Faust's buffers, or partitions moving
+        if self._busy():
+            return 0
+        recovered = 0
+        for tp in sorted(self._assigned):
+            position = await self.consumer.position(*tp)
+            if position is None:
+                continue
+            async with self._lock_for(tp):
+                if tp not in self._assigned:  # revoked meanwhile
+                    continue
+                state = await self.tracker.ensure(*tp)
+                if position <= state.next_offset:
+                    continue
+                log.warning(
+                    "%s[%d]: the consumer is at offset %d but only %d were read: reading the "
+                    "skipped records so that none is lost", tp[0], tp[1], position,
+                    state.next_offset,
+                )
+                self.tracker.gaps_total += 1
+                admitted = await self._read_gap(tp[0], tp[1], position)
+                for message in admitted:
+                    await self._process(message)
+                recovered += len(admitted)
+        return recovered
+
+    async def _sweep_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.gap_idle_s / 2)
+            try:
+                await self.sweep_gaps()
+            except Exception:
+                log.exception("looking for skipped records failed; will try again")
+
+    # -- commits and rebalances -------------------------------------------------------------------
+
+    async def commit_now(self, only: set[TP] | None = None) -> None:
+        """Commit every partition's finished prefix (or only those in ``only``)."""
+        offsets = self.tracker.committable()
+        if only is not None:
+            offsets = {tp: o for tp, o in offsets.items() if tp in only}
+        if not offsets:
+            return
+        try:
+            if await self.consumer.commit(offsets):  # False: none of them is still assigned
+                self.tracker.mark_committed(offsets)
+                self.stats.commits += 1
+        except Exception:
+            self.stats.commit_failures += 1
+            log.exception("committing %s failed; will retry", offsets)
+
+    async def _commit_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.commit_interval_s)
+            await self.commit_now()
+
+    def on_assigned(self, assigned: Iterable[TP]) -> None:
+        """Partitions were (re)assigned: from now on only records of ``assigned`` are admitted,
+        and the state of any other partition is dropped."""
+        self._last_rebalance_at = time.monotonic()
+        self._assigned = set(assigned)
+        self.tracker.forget(tp for tp in self.tracker.assigned() if tp not in self._assigned)
+
+    async def on_revoked(self, revoked: set[TP]) -> None:
+        """Before partitions go to another worker: commit what finished, forget the rest."""
+        self._last_rebalance_at = time.monotonic()
+        if self._assigned is not None:
+            self._assigned -= revoked
+        await self.commit_now(only=revoked)
+        self.tracker.forget(revoked)

@@ -1,0 +1,318 @@
+"""Kafka plumbing shared by the worker, the CLI, the DLQ tools and the tests: security options
+(TLS/SASL), topic creation, partition listing and direct partition reads.
+
+This is the one module that reaches into aiokafka beyond its public client classes (the
+metadata refresh of :func:`partitions_of`, the admin and bare clients); Faust's internals are
+reached only from :mod:`streamapp.faust_compat`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ssl
+import threading
+import time
+from collections.abc import Callable, Coroutine, Mapping
+from typing import Any, TypeVar
+
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.client import AIOKafkaClient
+from aiokafka.errors import KafkaError, for_code
+
+from streamapp.exceptions import BrokerError, ConfigError
+from streamapp.settings import Settings
+
+__all__ = [
+    "create_topics",
+    "kafka_security_options",
+    "partitions_of",
+    "probe_metadata",
+    "read_partition_range",
+    "run_sync",
+    "ssl_context",
+    "start_or_close",
+]
+
+_T = TypeVar("_T")
+
+#: Kafka error code TOPIC_ALREADY_EXISTS.
+_TOPIC_ALREADY_EXISTS = 36
+
+
+# -- security --------------------------------------------------------------------------------------
+
+
+def ssl_context(settings: Settings) -> ssl.SSLContext | None:
+    """The TLS context for ``security_protocol`` SSL or SASL_SSL, else None.
+
+    Verifies the brokers' certificates against ``ssl_cafile`` (default: the system's trust
+    store), checks host names unless ``ssl_check_hostname`` is false, and presents
+    ``ssl_certfile``/``ssl_keyfile`` when set (mutual TLS).
+
+    Raises:
+        ConfigError: A file is missing or is not valid PEM; the message names the setting.
+    """
+    if not settings.security_protocol.endswith("SSL"):
+        return None
+    cafile = settings.ssl_cafile
+    try:
+        context = ssl.create_default_context(
+            ssl.Purpose.SERVER_AUTH, cafile=str(cafile) if cafile else None
+        )
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(
+            f"ssl_cafile {str(cafile)!r} cannot be used as CA certificates: {exc}; give a PEM "
+            "file (STREAMAPP_SSL_CAFILE)"
+        ) from None
+    context.check_hostname = settings.ssl_check_hostname
+    if settings.ssl_certfile is not None:
+        password = settings.ssl_key_password.get_secret_value() or None
+        try:
+            context.load_cert_chain(
+                str(settings.ssl_certfile),
+                str(settings.ssl_keyfile) if settings.ssl_keyfile else None,
+                password=password,
+            )
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(
+                f"ssl_certfile {str(settings.ssl_certfile)!r} / ssl_keyfile "
+                f"{str(settings.ssl_keyfile)!r} cannot be loaded: {exc}; give a PEM certificate "
+                "and its key (and ssl_key_password if the key is encrypted)"
+            ) from None
+    return context
+
+
+def kafka_security_options(settings: Settings) -> dict[str, Any]:
+    """Keyword arguments for aiokafka clients (producer, consumer, admin) from the settings.
+
+    Args:
+        settings: ``security_protocol``, ``sasl_*`` and ``ssl_*``.
+
+    Returns:
+        ``security_protocol``, plus ``ssl_context`` with SSL/SASL_SSL and ``sasl_mechanism``,
+        ``sasl_plain_username``, ``sasl_plain_password`` with SASL_* (aiokafka uses these two
+        for SCRAM as well). Holds the password in clear: never log it.
+
+    Raises:
+        ConfigError: See :func:`ssl_context`.
+    """
+    options: dict[str, Any] = {"security_protocol": settings.security_protocol}
+    context = ssl_context(settings)
+    if context is not None:
+        options["ssl_context"] = context
+    if settings.security_protocol.startswith("SASL_"):
+        options["sasl_mechanism"] = settings.sasl_mechanism
+        options["sasl_plain_username"] = settings.sasl_username
+        options["sasl_plain_password"] = settings.sasl_password.get_secret_value()
+    return options
+
+
+async def start_or_close(client: Any) -> None:
+    """Start an aiokafka producer/consumer; if that fails, close it before re-raising (aiokafka
+    leaves a half-started client behind otherwise, and warns about it at exit)."""
+    try:
+        await client.start()
+    except BaseException:
+        await client.stop()
+        raise
+
+
+async def read_partition_range(
+    bootstrap_servers: str,
+    topic: str,
+    partition: int,
+    start: int,
+    end: int,
+    *,
+    security: dict[str, Any] | None = None,
+    timeout_s: float = 30.0,
+) -> list[tuple[int, bytes | None, bytes | None]]:
+    """Read the records ``start <= offset < end`` of one partition, outside any consumer group.
+
+    Returns:
+        ``(offset, key, value)`` in offset order; fewer than ``end - start`` when some no longer
+        exist (retention) or the timeout passed.
+    """
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap_servers, group_id=None, enable_auto_commit=False,
+        auto_offset_reset="earliest", **(security or {}),
+    )
+    await start_or_close(consumer)
+    out: list[tuple[int, bytes | None, bytes | None]] = []
+    try:
+        tp = TopicPartition(topic, partition)
+        consumer.assign([tp])
+        consumer.seek(tp, start)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            batch = await consumer.getmany(tp, timeout_ms=200, max_records=10_000)
+            for record in batch.get(tp, []):
+                if record.offset >= end:
+                    return out
+                out.append((record.offset, record.key, record.value))
+            if out and out[-1][0] >= end - 1:
+                return out
+    finally:
+        await consumer.stop()
+    return out
+
+
+async def partitions_of(consumer: AIOKafkaConsumer, topic: str) -> set[int]:
+    """The partition numbers of ``topic``, refreshing the consumer's metadata until it knows
+    them.
+
+    Raises:
+        RuntimeError: The topic has no partitions after 50 metadata refreshes.
+    """
+    # Topics are created before any client runs (see :func:`create_topics`); asking for
+    # a missing one would auto-create it on Tansu.
+    for _ in range(50):
+        parts = consumer.partitions_for_topic(topic)
+        if parts:
+            return set(parts)
+        await consumer._client.force_metadata_update()
+    raise RuntimeError(f"topic {topic!r} has no partitions; was it created?")
+
+
+# -- topics ------------------------------------------------------------------------------------
+
+
+def create_topics(
+    bootstrap_servers: str,
+    topics: Mapping[str, int],
+    *,
+    replication_factor: int = 1,
+    timeout_s: float = 15.0,
+    security: Mapping[str, Any] | None = None,
+) -> list[str]:
+    """Create the topics that do not exist yet.
+
+    Existing topics are left as they are, even when their partition count differs (Tansu
+    auto-creates a topic with 4 partitions as soon as a client asks for its metadata, so create
+    topics before any producer or consumer touches them).
+
+    Args:
+        bootstrap_servers: ``"HOST:PORT"`` of the broker.
+        topics: Topic name -> number of partitions (>= 1).
+        replication_factor: Replicas per partition; 1 on a single-node broker.
+        timeout_s: Seconds the whole operation may take.
+        security: aiokafka security options
+            (:func:`kafka_security_options`); None: plaintext.
+
+    Returns:
+        Names of the topics this call created, in the order given.
+
+    Raises:
+        BrokerError: The broker cannot be reached, did not answer in time, or refused to create
+            a topic (the Kafka error is named).
+    """
+    for name, partitions in topics.items():
+        if not name or not isinstance(partitions, int) or partitions < 1:
+            raise BrokerError(
+                f"Cannot create topic {name!r} with {partitions!r} partitions: the name must be "
+                "non-empty and the partition count an integer >= 1."
+            )
+    if not topics:
+        return []
+    return run_sync(
+        lambda: _create_topics(
+            bootstrap_servers, dict(topics), replication_factor, timeout_s, security or {}
+        )
+    )
+
+
+async def _create_topics(
+    bootstrap_servers: str,
+    topics: dict[str, int],
+    replication_factor: int,
+    timeout_s: float,
+    security: Mapping[str, Any],
+) -> list[str]:
+    admin = AIOKafkaAdminClient(
+        bootstrap_servers=bootstrap_servers,
+        request_timeout_ms=max(1, int(timeout_s * 1000)),
+        **security,
+    )
+    try:
+        async with asyncio.timeout(timeout_s):
+            await admin.start()
+            # list_topics() names no topic, so it cannot trigger Tansu's auto-creation.
+            existing = set(await admin.list_topics())
+            missing = [name for name in topics if name not in existing]
+            if not missing:
+                return []
+            response = await admin.create_topics(
+                [NewTopic(name, topics[name], replication_factor) for name in missing]
+            )
+    except TimeoutError as err:
+        raise BrokerError(
+            f"Creating topics {sorted(topics)} on {bootstrap_servers} took longer than "
+            f"{timeout_s} s. Check that the broker runs there, or raise timeout_s."
+        ) from err
+    except (KafkaError, OSError) as err:
+        raise BrokerError(
+            f"Cannot create topics {sorted(topics)} on {bootstrap_servers}: "
+            f"{type(err).__name__}: {err}. Check that a Kafka broker listens there."
+        ) from err
+    finally:
+        await admin.close()
+    created: list[str] = []
+    problems: list[str] = []
+    for entry in response.to_object()["topic_errors"]:
+        name, code, message = entry["topic"], entry["error_code"], entry.get("error_message")
+        if code == 0:
+            created.append(name)
+        elif code != _TOPIC_ALREADY_EXISTS:  # created concurrently since list_topics: fine
+            problems.append(f"{name!r}: {for_code(code).__name__} ({code}) {message or ''}".strip())
+    if problems:
+        raise BrokerError(
+            f"The broker at {bootstrap_servers} refused to create topics: {'; '.join(problems)}. "
+            "Fix the topic name or partition count, or delete the conflicting topic."
+        )
+    return [name for name in missing if name in created]
+
+
+async def probe_metadata(host: str, port: int, timeout_s: float) -> None:
+    """One readiness probe: a TCP connect, then a Kafka metadata request via aiokafka."""
+    # A bare connect first, so that aiokafka does not log an error for every refused poll.
+    _, writer = await asyncio.open_connection(host, port)
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    client = AIOKafkaClient(
+        bootstrap_servers=f"{host}:{port}",
+        request_timeout_ms=int(timeout_s * 1000),
+    )
+    try:
+        await client.bootstrap()
+        await client.fetch_all_metadata()
+    finally:
+        await client.close()
+
+
+def run_sync(factory: Callable[[], Coroutine[Any, Any, _T]]) -> _T:
+    """Run a coroutine to completion from synchronous code.
+
+    Uses ``asyncio.run`` directly, or in a short-lived thread when this thread already runs an
+    event loop (e.g. called from an async test); the caller's loop is blocked meanwhile.
+    """
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(factory())
+    outcome: dict[str, Any] = {}
+
+    def _target() -> None:
+        try:
+            outcome["value"] = asyncio.run(factory())
+        except BaseException as err:  # re-raised in the caller's thread
+            outcome["error"] = err
+
+    thread = threading.Thread(target=_target, name="streamapp-broker-sync", daemon=True)
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]  # type: ignore[no-any-return]

@@ -1,0 +1,129 @@
+"""Delivery: admission, gap filling, acknowledgement and commits against a fake consumer."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import pytest
+
+from streamapp.agents.pipeline import SourceMessage
+from streamapp.delivery import Delivery, Record
+from streamapp.offsets import TP
+
+T = "requests"
+
+
+class FakeConsumer:
+    """:class:`streamapp.delivery.Consumer` over a dict of records of one topic."""
+
+    def __init__(self, records: dict[int, tuple[bytes, bytes]], start: int = 10,
+                 position: int | None = None) -> None:
+        self.records = records
+        self.start = start
+        self.at = position
+        self.commits: list[dict[TP, int]] = []
+        self.reads: list[tuple[int, int, int]] = []
+
+    async def committed_or_earliest(self, topic: str, partition: int) -> int:
+        return self.start
+
+    async def commit(self, offsets: Mapping[TP, int]) -> bool:
+        self.commits.append(dict(offsets))
+        return True
+
+    async def position(self, topic: str, partition: int) -> int | None:
+        return self.at
+
+    async def read_range(self, topic: str, partition: int, start: int, end: int) -> list[Record]:
+        self.reads.append((partition, start, end))
+        return [(o, *self.records[o]) for o in range(start, end) if o in self.records]
+
+
+def delivery(consumer: FakeConsumer) -> Delivery:
+    return Delivery(consumer, commit_interval_s=60.0)
+
+
+async def test_admit_reads_the_skipped_records_first_then_the_one_read() -> None:
+    records = {o: (b"k", f"v{o}".encode()) for o in range(10, 20)}
+    consumer = FakeConsumer(records)
+    d = delivery(consumer)
+    got = await d.admit(T, 0, 13, b"k", b"v13")  # the consumer resumed past the committed 10
+    assert [(m.offset, m.value) for m in got] == [
+        (10, b"v10"), (11, b"v11"), (12, b"v12"), (13, b"v13")
+    ]
+    assert consumer.reads == [(0, 10, 13)]
+    # records read to fill the gap get an event of their own, for table writes
+    assert [(m.event.message.partition, m.event.message.offset) for m in got[:3]] == [
+        (0, 10), (0, 11), (0, 12)
+    ]
+    assert await d.admit(T, 0, 12, b"k", b"v12") == []  # re-delivered: already read
+    assert [m.offset for m in await d.admit(T, 0, 14, b"k", b"v14")] == [14]
+    for m in got:
+        m.ack()
+    await d.commit_now()
+    assert consumer.commits == [{(T, 0): 14}]
+    assert d.stats.commits == 1
+
+
+async def test_admit_hands_out_the_agents_event_for_the_record_itself() -> None:
+    d = delivery(FakeConsumer({}, start=0))
+    event = object()
+    [message] = await d.admit(T, 3, 0, b"k", b"v", event)
+    assert isinstance(message, SourceMessage)
+    assert (message.topic, message.partition, message.offset, message.event) == (T, 3, 0, event)
+
+
+async def test_admit_skips_records_the_broker_no_longer_has(caplog: pytest.LogCaptureFixture
+                                                           ) -> None:
+    records = {o: (b"k", b"v") for o in range(12, 20)}  # 10 and 11 deleted by retention
+    d = delivery(FakeConsumer(records))
+    got = await d.admit(T, 0, 13, b"k", b"v13")
+    assert [m.offset for m in got] == [12, 13]
+    assert "no longer exist" in caplog.text
+
+
+async def test_sweep_reads_records_skipped_at_the_end_of_a_partition() -> None:
+    """The consumer jumped past the last records and nothing later arrives to reveal the gap:
+    when idle, the position beyond what was read is the evidence."""
+    records = {o: (b"k", f"v{o}".encode()) for o in range(10, 16)}
+    # the consumer fetched up to 15, but only 10 and 11 were delivered
+    consumer = FakeConsumer(records, position=16)
+    d = delivery(consumer)
+    d.on_assigned({(T, 0)})
+    processed: list[int] = []
+
+    async def process(message: SourceMessage) -> None:
+        processed.append(message.offset)
+        message.ack()
+
+    d._process, d._busy = process, lambda: False  # as start() sets them, without the loops
+    for m in await d.admit(T, 0, 10, b"k", b"v10") + await d.admit(T, 0, 11, b"k", b"v11"):
+        processed.append(m.offset)
+        m.ack()
+    assert await d.sweep_gaps() == 0  # not idle yet: records may still be in Faust's buffers
+    d._last_admit_at -= 10  # idle for a while, and no rebalance lately
+    d._last_rebalance_at -= 10
+    assert await d.sweep_gaps() == 4
+    assert processed == [10, 11, 12, 13, 14, 15]
+    assert d.tracker.committable() == {(T, 0): 16}
+    assert await d.sweep_gaps() == 0  # nothing left
+
+
+async def test_records_of_partitions_no_longer_assigned_leave_no_state_behind() -> None:
+    """A record fetched before its partition was revoked and delivered late must not create
+    tracking state: when the partition came back, that state's old position made the worker
+    re-read everything its other owner had done meanwhile."""
+    records = {o: (b"k", b"v") for o in range(0, 2000)}
+    consumer = FakeConsumer(records, start=0)
+    d = delivery(consumer)
+    d.on_assigned({(T, 0), (T, 1)})
+    assert [m.offset for m in await d.admit(T, 1, 0, b"k", b"v")] == [0]
+    await d.on_revoked({(T, 0), (T, 1)})
+    d.on_assigned({(T, 0)})  # partition 1 went to another worker
+    assert await d.admit(T, 1, 1, b"k", b"v") == []  # late record of partition 1: dropped
+    assert d.tracker.state((T, 1)) is None
+    await d.on_revoked({(T, 0)})
+    d.on_assigned({(T, 0), (T, 1)})  # partition 1 is back; its other owner committed 1500
+    consumer.start = 1500
+    assert [m.offset for m in await d.admit(T, 1, 1500, b"k", b"v")] == [1500]  # no re-read
+    assert consumer.reads == []
