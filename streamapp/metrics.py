@@ -14,7 +14,7 @@ the fetch high watermark is right, and on Apache Kafka both agree.
 GPU gauges come from NVML (the ``nvidia-ml-py`` package, module ``pynvml``) when it imports and
 initialises; without it they are simply absent.
 
-The README's *Metrics* table lists every family (a test keeps it in sync with
+The *Metrics* table in docs/metrics.md lists every family (a test keeps it in sync with
 :data:`METRIC_FAMILIES`).
 """
 
@@ -106,7 +106,7 @@ METRIC_FAMILIES: tuple[tuple[str, str, str, str], ...] = (
 
 
 def metrics_reference() -> str:
-    """The Markdown table of :data:`METRIC_FAMILIES` (what the README shows)."""
+    """The Markdown table of :data:`METRIC_FAMILIES` (what docs/metrics.md shows)."""
     rows = ["| metric | type | labels | meaning |", "|---|---|---|---|"]
     for name, kind, labels, text in METRIC_FAMILIES:
         rows.append(f"| `{name}` | {kind} | {labels or '—'} | {text} |")

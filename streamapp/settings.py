@@ -377,7 +377,7 @@ def load_settings(**overrides: Any) -> Settings:
 def settings_reference() -> str:
     """A Markdown table of every setting: environment variable, type, default, description.
 
-    The README's settings reference is this output (a test keeps them in sync).
+    The settings reference in docs/settings.md is this output (a test keeps them in sync).
     """
     rows = ["| variable | type | default | description |", "|---|---|---|---|"]
     for name, info in Settings.model_fields.items():

@@ -12,7 +12,7 @@ from streamapp.agents.observer import Outcome
 from streamapp.batching import BatchInfo
 from streamapp.metrics import METRIC_FAMILIES, GpuMonitor, Metrics, WorkerGauges
 
-README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+METRICS_DOC = (Path(__file__).resolve().parents[2] / "docs" / "metrics.md").read_text()
 
 
 class NoGpu(GpuMonitor):
@@ -115,7 +115,7 @@ def test_registries_are_per_app() -> None:
 
 
 def _documented() -> set[str]:
-    block = README.split("<!-- metrics-reference:start -->")[1].split(
+    block = METRICS_DOC.split("<!-- metrics-reference:start -->")[1].split(
         "<!-- metrics-reference:end -->")[0]
     return set(re.findall(r"^\| `(streamapp_[a-z_]+)` \|", block, re.M))
 
