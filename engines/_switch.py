@@ -1,7 +1,7 @@
 """Choosing a vendor module at run time: an override, an in-repo stand-in, or the real one.
 
-The CUDA layer (cuda-python vs :mod:`engines.cuda.fake_runtime`) and the TensorRT backend
-(``tensorrt`` vs :mod:`engines.tensorrt.fake_trt`) pick their module the same way; this is that
+The CUDA layer (cuda-python vs :mod:`engines.testing.fake_cuda`) and the TensorRT backend
+(``tensorrt`` vs :mod:`engines.testing.fake_trt`) pick their module the same way; this is that
 one mechanism. Nothing is imported until :meth:`ModuleSwitch.current` is first called.
 """
 

@@ -16,7 +16,6 @@ __all__ = [
     "EngineRuntimeError",
     "EngineTimeoutError",
     "InputSpecError",
-    "InternalError",
     "OutOfMemoryError",
     "PlanMismatchError",
     "UnknownBackendError",
@@ -91,9 +90,3 @@ class EngineClosedError(EngineError):
     """The engine was used after :meth:`Engine.close`."""
 
     reason = "engine_closed"
-
-
-class InternalError(EngineError):
-    """A bug in this package, never a property of the input."""
-
-    reason = "internal_error"

@@ -1,32 +1,54 @@
 """Backend registry: backends register a loader under a name; callers ask by name.
 
 Adding a backend never edits a chain of ``if``s: a backend module calls :func:`register` at import
-time and :data:`BACKEND_MODULES` lists the modules to import. ``auto`` resolves to the first
-available backend in :data:`AUTO_ORDER` (TensorRT, then the PyTorch CUDA fallback, then ONNX
-Runtime on CPU).
+time and :data:`BACKEND_MODULES` lists the modules to import. Modules named in the environment
+variable :data:`PLUGINS_ENV` are imported too and their ``register_backends()`` called (how a
+worker process started by a test gets the test-only backends; production never sets it).
+
+``auto`` is defined here and only here (:func:`auto_candidates`, :func:`load_first`): the
+available backends that are not ``test_only``, in :data:`AUTO_ORDER` (TensorRT, then the PyTorch
+CUDA fallback, then ONNX Runtime on CPU), then any other such backend by name; the first one that
+loads the model wins.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from engines.base import Engine
-from engines.exceptions import BackendUnavailableError, UnknownBackendError
+from engines.exceptions import (
+    BackendUnavailableError,
+    EngineLoadError,
+    UnknownBackendError,
+)
 
 __all__ = [
+    "AUTO",
     "AUTO_ORDER",
+    "PLUGINS_ENV",
     "Backend",
+    "auto_candidates",
     "available_backends",
     "get_backend",
     "load_engine",
+    "load_first",
     "register",
     "registered_backends",
     "resolve_backend",
 ]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: The name that asks the registry to choose.
+AUTO = "auto"
 
 #: Loader signature: ``loader(model_path, **options) -> Engine``.
 Loader = Callable[..., Engine]
@@ -59,10 +81,12 @@ BACKEND_MODULES: tuple[str, ...] = (
     "engines.onnxruntime",
     "engines.tensorrt",
     "engines.torch",
-    # Test-only: the fault-injecting wrapper ("faulty"), so worker processes can be told to use
-    # it; never chosen by "auto".
-    "engines.testing",
 )
+
+#: Environment variable: comma-separated modules imported after :data:`BACKEND_MODULES`, each
+#: providing ``register_backends()``. Tests set ``engines.testing.faults`` for worker processes
+#: that must run the fault-injecting backend; nothing in production sets it.
+PLUGINS_ENV = "ENGINES_PLUGINS"
 
 #: Order tried by ``auto``.
 AUTO_ORDER: tuple[str, ...] = ("tensorrt", "torch", "onnxruntime")
@@ -92,6 +116,16 @@ def _load_builtin() -> None:
     _loaded = True
     for module in BACKEND_MODULES:
         importlib.import_module(module)
+    for name in filter(None, (m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(","))):
+        try:
+            hook = importlib.import_module(name).register_backends
+        except (ImportError, AttributeError) as exc:
+            _loaded = False
+            raise UnknownBackendError(
+                f"{PLUGINS_ENV} names {name!r}, which is not an importable module with a "
+                f"register_backends() function ({exc}); fix or unset {PLUGINS_ENV}"
+            ) from None
+        hook()
 
 
 def registered_backends() -> list[str]:
@@ -101,11 +135,24 @@ def registered_backends() -> list[str]:
 
 
 def available_backends() -> list[str]:
-    """Names of the registered backends that can run on this machine, in ``auto`` order first."""
+    """Names of the registered backends that can run on this machine, in ``auto`` order first
+    (test-only ones included: see :func:`auto_candidates` for what ``auto`` may pick)."""
     _load_builtin()
     ordered = [n for n in AUTO_ORDER if n in _REGISTRY]
     ordered += sorted(n for n in _REGISTRY if n not in AUTO_ORDER)
     return [n for n in ordered if _REGISTRY[n].is_available()]
+
+
+def auto_candidates() -> list[str]:
+    """What ``auto`` tries, in order: the available backends that are not ``test_only``.
+
+    Raises:
+        BackendUnavailableError: No such backend can run here.
+    """
+    candidates = [n for n in available_backends() if not _REGISTRY[n].test_only]
+    if not candidates:
+        raise BackendUnavailableError("no engine backend is available on this machine")
+    return candidates
 
 
 def get_backend(name: str) -> Backend:
@@ -120,30 +167,55 @@ def get_backend(name: str) -> Backend:
     except KeyError:
         raise UnknownBackendError(
             f"unknown backend {name!r}; registered backends: {', '.join(sorted(_REGISTRY))} "
-            "(or 'auto')"
+            f"(or {AUTO!r})"
         ) from None
 
 
 def resolve_backend(name: str) -> str:
-    """Resolve ``"auto"`` to the first available backend; check any other name exists.
+    """The backend ``name`` stands for: ``auto``'s first candidate (:func:`auto_candidates`),
+    or ``name`` itself once checked to be registered. Says nothing about whether a model loads:
+    :func:`load_first` falls through to the next candidate when it does not.
 
     Raises:
         UnknownBackendError: ``name`` is neither ``auto`` nor registered.
         BackendUnavailableError: ``auto`` found no available backend.
     """
-    if name != "auto":
+    if name != AUTO:
         return get_backend(name).name
-    available = [n for n in available_backends() if not _REGISTRY[n].test_only]
-    for candidate in AUTO_ORDER:
-        if candidate in available:
-            return candidate
-    if available:
-        return available[0]
-    raise BackendUnavailableError("no engine backend is available on this machine")
+    return auto_candidates()[0]
+
+
+def load_first(name: str, load: Callable[[str], T]) -> T:
+    """Call ``load(backend)`` for the backend ``name`` stands for and return its result.
+
+    For ``auto``, the candidates of :func:`auto_candidates` are tried in order and the first whose
+    ``load`` does not raise :class:`EngineLoadError` wins (e.g. TensorRT loads plans only, so an
+    ONNX model falls through to the next backend). For any other name, ``load`` is called once.
+
+    Args:
+        name: Registry name or ``"auto"``.
+        load: Loads the model with one backend, e.g. ``lambda b: load_engine(b, path)``.
+
+    Raises:
+        UnknownBackendError: No such backend.
+        BackendUnavailableError: ``auto`` found no available backend.
+        EngineLoadError: The named backend failed, or every ``auto`` candidate did (the message
+            lists each one's error).
+    """
+    if name != AUTO:
+        return load(get_backend(name).name)
+    failures: list[str] = []
+    for backend in auto_candidates():
+        try:
+            return load(backend)
+        except EngineLoadError as exc:
+            failures.append(f"{backend}: {exc}")
+            log.info("auto: %s cannot load the model (%s); trying the next backend", backend, exc)
+    raise EngineLoadError("no available backend could load the model: " + "; ".join(failures))
 
 
 def load_engine(backend: str, model_path: str | Path, **options: Any) -> Engine:
-    """Load a model with the named backend (``"auto"`` allowed).
+    """Load a model with the named backend (``"auto"``: the first candidate that loads it).
 
     Args:
         backend: Registry name or ``"auto"``.
@@ -155,10 +227,14 @@ def load_engine(backend: str, model_path: str | Path, **options: Any) -> Engine:
         BackendUnavailableError: The backend cannot run here.
         EngineLoadError: The model could not be loaded.
     """
-    entry = get_backend(resolve_backend(backend))
+    return load_first(backend, lambda name: _load_with(name, Path(model_path), options))
+
+
+def _load_with(name: str, model_path: Path, options: dict[str, Any]) -> Engine:
+    entry = get_backend(name)
     if not entry.is_available():
         raise BackendUnavailableError(
             f"backend {entry.name!r} is not available on this machine; available: "
             f"{', '.join(available_backends()) or 'none'}"
         )
-    return entry.loader(Path(model_path), **options)
+    return entry.loader(model_path, **options)

@@ -1,5 +1,6 @@
-"""Rewrite the README's generated blocks (``make docs``): the settings reference, and the web API
-and metrics references of streamapp.views / streamapp.metrics."""
+"""Rewrite the generated blocks of the documentation (``make docs``): the settings reference
+(docs/settings.md), the web API reference (docs/api.md) and the metrics reference
+(docs/metrics.md), each rendered from the code that defines it."""
 
 from __future__ import annotations
 
@@ -11,13 +12,18 @@ from streamapp.metrics import metrics_reference
 from streamapp.settings import settings_reference
 from streamapp.views import api_reference
 
-README = Path(__file__).resolve().parent.parent / "README.md"
-START, END = "<!-- settings-reference:start -->", "<!-- settings-reference:end -->"
+ROOT = Path(__file__).resolve().parent.parent
 #: Marker name → the function that renders the block.
 BLOCKS: dict[str, Callable[[], str]] = {
     "settings-reference": settings_reference,
     "api-reference": api_reference,
     "metrics-reference": metrics_reference,
+}
+#: Marker name → the file (relative to the repository root) that holds the block.
+HOMES: dict[str, str] = {
+    "settings-reference": "docs/settings.md",
+    "api-reference": "docs/api.md",
+    "metrics-reference": "docs/metrics.md",
 }
 
 
@@ -30,5 +36,15 @@ def render(text: str) -> str:
     return text
 
 
+def documents() -> list[Path]:
+    """The README and every Markdown file under docs/."""
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
 if __name__ == "__main__":
-    README.write_text(render(README.read_text()))
+    for path in documents():
+        text = path.read_text()
+        new = render(text)
+        if new != text:
+            path.write_text(new)
+            print(f"updated {path.relative_to(ROOT)}")

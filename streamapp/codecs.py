@@ -39,8 +39,8 @@ __all__ = [
 
 CodecName = Literal["json", "msgpack"]
 
-#: Reason codes of rejected requests (dead-letter ``error.reason``). The README's reason table
-#: documents each one (a test checks it).
+#: Reason codes of rejected requests (dead-letter ``error.reason``). The reason table in
+#: docs/records.md documents each one (a test checks it).
 REASONS: dict[str, str] = {
     "invalid_json": "the value is not valid UTF-8 JSON",
     "invalid_msgpack": "the value is not valid msgpack",

@@ -14,7 +14,7 @@ the fetch high watermark is right, and on Apache Kafka both agree.
 GPU gauges come from NVML (the ``nvidia-ml-py`` package, module ``pynvml``) when it imports and
 initialises; without it they are simply absent.
 
-The README's *Metrics* table lists every family (a test keeps it in sync with
+The *Metrics* table in docs/metrics.md lists every family (a test keeps it in sync with
 :data:`METRIC_FAMILIES`).
 """
 
@@ -60,21 +60,29 @@ LATENCY_BUCKETS_S = (
 #: families of prometheus-client (``process_*``, ``python_info``) come on top.
 METRIC_FAMILIES: tuple[tuple[str, str, str, str], ...] = (
     ("streamapp_requests_total", "counter", "model, outcome",
-     "Requests by outcome: `result`, `dead_letter` (both final) or `retry` (sent to the retry "
-     "topic). Final outcomes sum to the requests read (Triton: `nv_inference_request_success` "
-     "/ `_failure`)."),
+     "Requests finished, by final outcome: `result` or `dead_letter`; they sum to the requests "
+     "read (Triton: `nv_inference_request_success` / `_failure`). Retries are not outcomes: "
+     "they are counted in `streamapp_retries_total`."),
     ("streamapp_dead_letters_total", "counter", "model, reason",
      "Dead letters by reason code."),
     ("streamapp_retries_total", "counter", "model, reason",
-     "Requests sent to the retry topic, by reason code."),
+     "Attempts that failed transiently and were sent to the retry topic, by reason code (a "
+     "request retried twice counts 2 here and 1 in `streamapp_requests_total`)."),
     ("streamapp_batches_total", "counter", "model, closed_by",
      "Batches run, by why they closed: `size`, `delay` or `flush` (Triton: "
      "`nv_inference_exec_count`)."),
     ("streamapp_batch_size", "histogram", "model",
      "Requests per batch (Triton: `nv_inference_count` / `exec_count`)."),
-    ("streamapp_latency_seconds", "histogram", "model, stage",
-     "Per-request latency of each answered request by stage: `queue` (read → its batch "
-     "started), `infer` (the batch's engine time), `e2e` (capture `ts` → result produced)."),
+    ("streamapp_queue_duration_seconds", "histogram", "model",
+     "Per answered request: from reading it to its batch starting on the engine (result "
+     "field `queue_ms`; Triton: `nv_inference_queue_duration_us`)."),
+    ("streamapp_inference_duration_seconds", "histogram", "model",
+     "Per answered request: the engine time of the batch it ran in (result field `infer_ms`; "
+     "Triton: `nv_inference_compute_infer_duration_us`)."),
+    ("streamapp_e2e_duration_seconds", "histogram", "model",
+     "Per answered request: from its capture time `ts` to its result being produced (result "
+     "field `e2e_ms`); includes the queue and inference durations and everything before the "
+     "worker read it."),
     ("streamapp_inflight_batches", "gauge", "",
      "Batches running on the engines now (at most `max_inflight_batches`)."),
     ("streamapp_pending_requests", "gauge", "",
@@ -96,7 +104,7 @@ METRIC_FAMILIES: tuple[tuple[str, str, str, str], ...] = (
      "Table rows written (stats rows and window buckets)."),
     ("streamapp_table_buckets_expired_total", "counter", "",
      "Window buckets deleted because they expired."),
-    ("streamapp_gpu_utilization", "gauge", "gpu, name",
+    ("streamapp_gpu_utilization_ratio", "gauge", "gpu, name",
      "GPU utilisation, 0–1, from NVML (Triton: `nv_gpu_utilization`); absent without NVML."),
     ("streamapp_gpu_memory_used_bytes", "gauge", "gpu, name",
      "GPU memory in use (Triton: `nv_gpu_memory_used_bytes`); absent without NVML."),
@@ -106,7 +114,7 @@ METRIC_FAMILIES: tuple[tuple[str, str, str, str], ...] = (
 
 
 def metrics_reference() -> str:
-    """The Markdown table of :data:`METRIC_FAMILIES` (what the README shows)."""
+    """The Markdown table of :data:`METRIC_FAMILIES` (what docs/metrics.md shows)."""
     rows = ["| metric | type | labels | meaning |", "|---|---|---|---|"]
     for name, kind, labels, text in METRIC_FAMILIES:
         rows.append(f"| `{name}` | {kind} | {labels or '—'} | {text} |")
@@ -227,7 +235,7 @@ class _GaugeCollector(Collector):
             yield CounterMetricFamily(name, text, value=value)
         samples = self._metrics.gpu.sample() if self._metrics.gpu is not None else []
         if samples:
-            util = GaugeMetricFamily("streamapp_gpu_utilization", "GPU utilisation 0-1.",
+            util = GaugeMetricFamily("streamapp_gpu_utilization_ratio", "GPU utilisation 0-1.",
                                      labels=["gpu", "name"])
             used = GaugeMetricFamily("streamapp_gpu_memory_used_bytes", "GPU memory used.",
                                      labels=["gpu", "name"])
@@ -267,18 +275,27 @@ class Metrics:
         self.registry = CollectorRegistry()
         self.models = frozenset(models)
         r = self.registry
-        self.requests = Counter("streamapp_requests", "Requests by outcome.",
+        self.requests = Counter("streamapp_requests", "Requests finished, by final outcome.",
                                 ["model", "outcome"], registry=r)
         self.dead_letters = Counter("streamapp_dead_letters", "Dead letters by reason.",
                                     ["model", "reason"], registry=r)
-        self.retries = Counter("streamapp_retries", "Retries by reason.",
+        self.retries = Counter("streamapp_retries", "Attempts sent to the retry topic, by reason.",
                                ["model", "reason"], registry=r)
         self.batches = Counter("streamapp_batches", "Batches run by close reason.",
                                ["model", "closed_by"], registry=r)
         self.batch_size = Histogram("streamapp_batch_size", "Requests per batch.", ["model"],
                                     buckets=_batch_buckets(max_batch_size), registry=r)
-        self.latency = Histogram("streamapp_latency_seconds", "Request latency by stage.",
-                                 ["model", "stage"], buckets=LATENCY_BUCKETS_S, registry=r)
+        # One family per duration: e2e contains queue and inference, so they must not be summed
+        # or share a family.
+        self.queue_duration = Histogram(
+            "streamapp_queue_duration_seconds", "Read to batch start, per answered request.",
+            ["model"], buckets=LATENCY_BUCKETS_S, registry=r)
+        self.inference_duration = Histogram(
+            "streamapp_inference_duration_seconds", "Engine time of the request's batch.",
+            ["model"], buckets=LATENCY_BUCKETS_S, registry=r)
+        self.e2e_duration = Histogram(
+            "streamapp_e2e_duration_seconds", "Capture ts to result produced, per request.",
+            ["model"], buckets=LATENCY_BUCKETS_S, registry=r)
         self.gauges = WorkerGauges()
         self.gpu = gpu if gpu is not None else GpuMonitor()
         r.register(_GaugeCollector(self))
@@ -302,16 +319,18 @@ class Metrics:
 
     def on_outcome(self, outcome: Outcome) -> None:
         model = self._model(outcome.model)
+        if outcome.kind == "retry":  # not final: the request comes back
+            self._child(self.retries, model, outcome.reason or "unknown").inc()
+            return
         self._child(self.requests, model, outcome.kind).inc()
         if outcome.kind == "dead_letter":
             self._child(self.dead_letters, model, outcome.reason or "unknown").inc()
-        elif outcome.kind == "retry":
-            self._child(self.retries, model, outcome.reason or "unknown").inc()
-        else:
-            for stage, ms in (("queue", outcome.queue_ms), ("infer", outcome.infer_ms),
-                              ("e2e", outcome.e2e_ms)):
-                if ms is not None:
-                    self._child(self.latency, model, stage).observe(max(ms, 0.0) / 1000.0)
+            return
+        for histogram, ms in ((self.queue_duration, outcome.queue_ms),
+                              (self.inference_duration, outcome.infer_ms),
+                              (self.e2e_duration, outcome.e2e_ms)):
+            if ms is not None:
+                self._child(histogram, model).observe(max(ms, 0.0) / 1000.0)
 
     def on_batch(self, model: str, info: BatchInfo) -> None:
         model = self._model(model)

@@ -1,4 +1,4 @@
-"""Message contracts: inference requests, results and dead letters (see the README).
+"""Message contracts: inference requests, results and dead letters (see docs/records.md).
 
 Plain dataclasses, not Faust ``Record`` models: request values are decoded by our own codecs
 (:mod:`streamapp.codecs`) from raw bytes, so that bad input becomes a dead letter with a reason

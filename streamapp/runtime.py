@@ -16,15 +16,11 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from engines.base import StreamEngine
-from engines.exceptions import BackendUnavailableError, EngineLoadError
-from engines.executor import Executor, ThreadExecutor
-from engines.registry import available_backends, load_engine, resolve_backend
 from streamapp.agents.observer import PipelineObserver
 from streamapp.agents.pipeline import InferencePipeline, LoadedModel, Sink, SourceMessage
 from streamapp.delivery import Delivery
 from streamapp.exceptions import InvalidRequestError
-from streamapp.models import ModelRepository
+from streamapp.models.loading import load_models
 from streamapp.retry import DelayScheduler, RetryRecord, RetryStore
 from streamapp.settings import Settings
 
@@ -34,66 +30,6 @@ log = logging.getLogger(__name__)
 
 #: Seconds a stopping worker waits for batches in flight to finish and be committed.
 DRAIN_TIMEOUT_S = 10.0
-
-
-def _make_executor(
-    backend: str, model_path: str, settings: Settings, options: dict[str, Any] | None = None
-) -> Executor:
-    """A GPU executor on CUDA streams for engines that can enqueue on a stream (TensorRT, the
-    PyTorch CUDA backend), else a thread executor (ONNX Runtime on CPU). ``options``: backend
-    options from the model's metadata (e.g. ``precision``)."""
-    engine = load_engine(
-        backend, model_path, max_batch_size=settings.max_batch_size, **(options or {})
-    )
-    if isinstance(engine, StreamEngine):
-        from engines.executor.cuda import CudaExecutor  # imports cuda-python
-
-        depth = max(1, -(-settings.max_inflight_batches // settings.cuda_streams))
-        return CudaExecutor(engine, streams=settings.cuda_streams, depth=depth,
-                            max_batch=settings.max_batch_size)
-    return ThreadExecutor(engine, max_inflight=settings.max_inflight_batches)
-
-
-def load_models(settings: Settings) -> dict[str, LoadedModel]:
-    """Load every model in ``settings.models`` with the configured backend.
-
-    Raises:
-        ModelNotFoundError: A model is not in the repository.
-        EngineError: A backend is unknown/unavailable or a model failed to load.
-    """
-    repo = ModelRepository(settings.models_dir)
-    # "auto": the first available backend (TensorRT, PyTorch CUDA, ONNX Runtime) that loads the
-    # model's file; e.g. TensorRT loads plans only, so an ONNX model falls through to the next.
-    candidates = (
-        available_backends() if settings.backend == "auto"
-        else [resolve_backend(settings.backend)]
-    )
-    if not candidates:
-        raise BackendUnavailableError("no engine backend is available on this machine")
-    loaded = {}
-    for name in settings.models:
-        config = repo.get(name)
-        failures: list[str] = []
-        for backend in candidates:
-            try:
-                executor = _make_executor(
-                    backend, str(config.path), settings, config.engine_options(backend)
-                )
-            except EngineLoadError as exc:
-                if len(candidates) == 1:
-                    raise
-                failures.append(f"{backend}: {exc}")
-                log.info("auto: %s cannot load %s (%s); trying the next backend",
-                         backend, config.path.name, exc)
-                continue
-            break
-        else:
-            raise EngineLoadError(
-                f"no available backend could load model {name!r}: " + "; ".join(failures)
-            )
-        loaded[name] = LoadedModel(config, executor)
-        log.info("loaded model %s v%s with %s", name, config.version, executor.engine.info.tag)
-    return loaded
 
 
 class WorkerHost(Protocol):

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal, get_args, get_origin
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from engines.registry import AUTO, registered_backends
 from streamapp.exceptions import ConfigError
 
 __all__ = [
@@ -28,7 +29,8 @@ __all__ = [
 ]
 
 Codec = Literal["json", "msgpack"]
-Backend = Literal["auto", "onnxruntime", "tensorrt", "torch", "faulty"]
+#: An engine backend: ``auto`` or a name registered in :mod:`engines.registry`.
+Backend = str
 SecurityProtocol = Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]
 SaslMechanism = Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"]
 
@@ -107,8 +109,9 @@ class Settings(BaseSettings):
         2, ge=1, description="Batches running at once; reading pauses beyond this (backpressure)."
     )
     backend: Backend = Field(
-        "auto", description="Engine backend, or 'auto'. 'faulty' injects failures for tests only "
-        "(rules in ENGINES_FAULTS, see engines.testing)."
+        "auto", description="Engine backend: onnxruntime, tensorrt, torch, or 'auto' (the first "
+        "of tensorrt, torch, onnxruntime that runs here and loads the model). `engines backends` "
+        "lists what is registered and available."
     )
     cuda_streams: int = Field(
         2, ge=1,
@@ -293,6 +296,18 @@ class Settings(BaseSettings):
             )
         return self
 
+    @field_validator("backend")
+    @classmethod
+    def _known_backend(cls, value: str) -> str:
+        # Test-only backends are registered only by tests (engines.testing), so production
+        # settings cannot name them.
+        names = registered_backends()
+        if value != AUTO and value not in names:
+            raise ValueError(
+                f"unknown backend {value!r}; use {AUTO!r} or one of: {', '.join(names)}"
+            )
+        return value
+
     @field_validator("log_level", mode="before")
     @classmethod
     def _lower_log_level(cls, value: Any) -> Any:
@@ -377,7 +392,7 @@ def load_settings(**overrides: Any) -> Settings:
 def settings_reference() -> str:
     """A Markdown table of every setting: environment variable, type, default, description.
 
-    The README's settings reference is this output (a test keeps them in sync).
+    The settings reference in docs/settings.md is this output (a test keeps them in sync).
     """
     rows = ["| variable | type | default | description |", "|---|---|---|---|"]
     for name, info in Settings.model_fields.items():

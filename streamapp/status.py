@@ -2,7 +2,7 @@
 
 For each worker it reads ``/ready``, ``/metrics`` twice (``interval_s`` apart, for rates) and
 ``/devices?sort=-total``, then shows throughput (finished requests per second), dead-letter rate,
-end-to-end latency p50/p99 over the interval (from the ``streamapp_latency_seconds`` histogram,
+end-to-end latency p50/p99 over the interval (from the ``streamapp_e2e_duration_seconds`` histogram,
 interpolated within buckets as Prometheus' ``histogram_quantile`` does), mean batch size,
 in-flight batches, consumer lag and partitions, plus the busiest devices. With discovery on, the
 first worker's ``/cluster`` names the others.
@@ -129,8 +129,8 @@ def summarize(url: str, before: Snapshot, after: Snapshot) -> WorkerStatus:
     if status.throughput_per_s > 0:
         status.dlq_ratio = status.dead_letters_per_s / status.throughput_per_s
     status.finished_total = int(after.total("streamapp_requests_total", final))
-    e2e_after = after.buckets("streamapp_latency_seconds", stage="e2e")
-    e2e = _delta(e2e_after, before.buckets("streamapp_latency_seconds", stage="e2e"))
+    e2e_after = after.buckets("streamapp_e2e_duration_seconds")
+    e2e = _delta(e2e_after, before.buckets("streamapp_e2e_duration_seconds"))
     if not e2e or max(e2e.values(), default=0) <= 0:
         e2e = e2e_after  # idle during the interval: since the worker started
     for q, name in ((0.5, "p50_ms"), (0.99, "p99_ms")):

@@ -7,6 +7,7 @@ from uuid import uuid4
 
 import pytest
 
+from engines import registry, testing
 from streamapp.broker import EmbeddedBroker
 
 
@@ -29,3 +30,21 @@ def app_id() -> str:
     sharing the session broker must never share a group.
     """
     return f"test-{uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def isolated_registry(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, registry.Backend]]:
+    """A copy of the engine backend registry (built-ins loaded) that the test may change
+    freely; the real one is back after the test."""
+    registry.registered_backends()  # import the built-in backends into the real registry first
+    copy = dict(registry._REGISTRY)
+    monkeypatch.setattr(registry, "_REGISTRY", copy)
+    yield copy
+
+
+@pytest.fixture
+def test_backends(isolated_registry: dict[str, registry.Backend]) -> dict[str, registry.Backend]:
+    """The isolated registry with the test-only backends ``fake`` and ``faulty`` registered
+    (:func:`engines.testing.register`), as only tests may do."""
+    testing.register()
+    return isolated_registry

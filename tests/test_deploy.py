@@ -102,12 +102,15 @@ def test_the_dashboard_only_queries_metrics_the_workers_export() -> None:
     dashboard = json.loads((ROOT / "deploy/grafana/dashboards/streamapp.json").read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
     assert len(exprs) >= 10
-    used = {m for e in exprs for m in re.findall(r"\bstreamapp_[a-z_]+", e)}
+    used = {m for e in exprs for m in re.findall(r"\bstreamapp_[a-z0-9_]+", e)}
     assert used - _exported_series() == set()
     # the operator questions are on it: throughput, latency, batch, lag, DLQ, GPU
-    for family in ("streamapp_requests_total", "streamapp_latency_seconds_bucket",
+    for family in ("streamapp_requests_total", "streamapp_e2e_duration_seconds_bucket",
+                   "streamapp_queue_duration_seconds_bucket",
+                   "streamapp_inference_duration_seconds_bucket",
                    "streamapp_batch_size_sum", "streamapp_consumer_lag",
-                   "streamapp_dead_letters_total", "streamapp_gpu_utilization"):
+                   "streamapp_dead_letters_total", "streamapp_retries_total",
+                   "streamapp_gpu_utilization_ratio"):
         assert family in used
     ids = [p["id"] for p in dashboard["panels"]]
     assert len(ids) == len(set(ids))

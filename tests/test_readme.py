@@ -1,25 +1,60 @@
-"""The README documents what the code does."""
+"""The README and docs/ document what the code does, and their links lead somewhere."""
 
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
+from types import ModuleType
+
+import pytest
 
 from streamapp.codecs import REASONS
 
 ROOT = Path(__file__).resolve().parent.parent
-README = (ROOT / "README.md").read_text()
 
 
-def test_settings_reference_matches_the_settings_object() -> None:
+def _update_readme() -> ModuleType:
     script = ROOT / "scripts" / "update_readme.py"
     spec = importlib.util.spec_from_file_location("update_readme", script)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    assert module.render(README) == README, "run `make docs` to regenerate the settings table"
+    return module
+
+
+UPDATE = _update_readme()
+DOCUMENTS = UPDATE.documents()
+
+
+@pytest.mark.parametrize("path", DOCUMENTS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_generated_blocks_match_the_code(path: Path) -> None:
+    text = path.read_text()
+    assert UPDATE.render(text) == text, "run `make docs` to regenerate the reference tables"
+
+
+@pytest.mark.parametrize("name", sorted(UPDATE.BLOCKS))
+def test_each_generated_block_is_in_its_home_file_once(name: str) -> None:
+    holders = [p.relative_to(ROOT).as_posix() for p in DOCUMENTS
+               if f"<!-- {name}:start -->" in p.read_text()]
+    assert holders == [UPDATE.HOMES[name]]
 
 
 def test_every_dead_letter_reason_is_documented() -> None:
-    missing = [reason for reason in REASONS if f"| `{reason}` |" not in README]
+    records = (ROOT / "docs" / "records.md").read_text()
+    missing = [reason for reason in REASONS if f"| `{reason}` |" not in records]
     assert missing == []
+
+
+@pytest.mark.parametrize("path", DOCUMENTS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_point_to_existing_files(path: Path) -> None:
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", path.read_text())
+    broken = [t for t in targets if "://" not in t and not (path.parent / t).exists()]
+    assert broken == []
+
+
+def test_license_file_is_the_one_pyproject_declares() -> None:
+    assert 'license = "Apache-2.0"' in (ROOT / "pyproject.toml").read_text()
+    text = (ROOT / "LICENSE").read_text()
+    assert text.lstrip().startswith("Apache License")
+    assert "Version 2.0, January 2004" in text

@@ -7,7 +7,7 @@ and pass ``int`` handles/pointers to vendor libraries (TensorRT, PyTorch).
 
 Importing this package never imports cuda-python; the first CUDA call does. Without cuda-python
 or a GPU, :func:`is_available` is False. ``ENGINES_CUDA_STANDIN=1`` (or :func:`use_runtime`)
-runs everything on :mod:`engines.cuda.fake_runtime`, a CPU stand-in with the same API.
+runs everything on :mod:`engines.testing.fake_cuda`, a CPU stand-in with the same API.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 This module is the only place that imports cuda-python (``cuda.bindings.runtime``, or
 ``cuda.cudart`` from cuda-python 12.x). The import happens on first use, never at import time, so
 ``engines`` imports on machines without cuda-python. Tests and CPU-only demos can swap in the
-in-repo stand-in (:mod:`engines.cuda.fake_runtime`) with :func:`use_runtime` or the environment
+in-repo stand-in (:mod:`engines.testing.fake_cuda`) with :func:`use_runtime` or the environment
 variable ``ENGINES_CUDA_STANDIN=1``.
 
 cuda-python's runtime functions return a tuple ``(cudaError_t, *values)``; :func:`check` unpacks
@@ -51,7 +51,7 @@ def _import_cudart() -> ModuleType:
     return cudart
 
 
-_SWITCH = ModuleSwitch(ENV_STANDIN, "engines.cuda.fake_runtime", lambda: _import_cudart())
+_SWITCH = ModuleSwitch(ENV_STANDIN, "engines.testing.fake_cuda", lambda: _import_cudart())
 
 
 def runtime() -> Any:
@@ -64,7 +64,7 @@ def runtime() -> Any:
 
 
 def using_standin() -> bool:
-    """True when the CUDA layer runs on :mod:`engines.cuda.fake_runtime` (no real GPU)."""
+    """True when the CUDA layer runs on :mod:`engines.testing.fake_cuda` (no real GPU)."""
     return _SWITCH.is_standin(CudaUnavailableError)
 
 

@@ -40,7 +40,6 @@ from engines.exceptions import (
     EngineError,
     EngineRuntimeError,
     InputSpecError,
-    InternalError,
 )
 from engines.executor.base import Executor, Item, pack_items
 
@@ -546,4 +545,5 @@ def _as_engine_error(exc: BaseException, doing: str) -> EngineError:
         error = EngineRuntimeError(f"the backend failed while {doing}: {exc!r}")
         error.__cause__ = exc
         return error
-    return InternalError(f"unexpected {exc!r} while {doing}")
+    # Not an Exception (e.g. SystemExit in a waiter thread): a bug, not retriable.
+    return EngineError(f"unexpected {exc!r} while {doing}")

@@ -6,7 +6,7 @@ in-repo stand-in is selected with ``ENGINES_TENSORRT_STANDIN=1`` (which also nee
 stand-in, ``ENGINES_CUDA_STANDIN=1``, on a machine without a GPU).
 
 **What has run where:** this code is type-checked against ``tensorrt-stubs`` and tested against
-:mod:`engines.tensorrt.fake_trt`; it has not run on real TensorRT (none is installable on the
+:mod:`engines.testing.fake_trt`; it has not run on real TensorRT (none is installable on the
 machines of this project). Nothing heavy is imported with this package.
 """
 

@@ -4,7 +4,7 @@ Code in this package writes ``from engines.tensorrt._api import trt`` and then `
 ``trt.Runtime`` ... For mypy, ``trt`` *is* the ``tensorrt`` module (checked against the
 ``tensorrt-stubs`` package); at run time it is a proxy that forwards every attribute to the
 module chosen on first use: an override set with :func:`use_tensorrt`, the stand-in
-(:mod:`engines.tensorrt.fake_trt`) when ``ENGINES_TENSORRT_STANDIN=1``, else ``import tensorrt``.
+(:mod:`engines.testing.fake_trt`) when ``ENGINES_TENSORRT_STANDIN=1``, else ``import tensorrt``.
 Like Polygraphy's lazy imports, nothing is imported when ``engines`` is.
 """
 
@@ -50,7 +50,7 @@ def _import_real() -> ModuleType:
     return module
 
 
-_SWITCH = ModuleSwitch(ENV_STANDIN, "engines.tensorrt.fake_trt", lambda: _import_real())
+_SWITCH = ModuleSwitch(ENV_STANDIN, "engines.testing.fake_trt", lambda: _import_real())
 
 
 def trt_module() -> ModuleType:

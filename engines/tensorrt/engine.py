@@ -6,7 +6,7 @@ TensorRT 10+ API only: ``Runtime.deserialize_cuda_engine``, the name-based IO te
 batch needs another profile), ``set_input_shape``, ``set_tensor_address`` for every IO tensor and
 ``execute_async_v3``. The bindings-based ``execute_async_v2`` API was removed in TensorRT 10.
 
-Tested against :mod:`engines.tensorrt.fake_trt` only; it has not run on real TensorRT.
+Tested against :mod:`engines.testing.fake_trt` only; it has not run on real TensorRT.
 """
 
 from __future__ import annotations

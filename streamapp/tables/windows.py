@@ -10,6 +10,47 @@ Storage keeps *buckets*: tumbling windows of ``tumbling_window_s``, and buckets 
 maxima, histograms), so this is exact, and a write touches one bucket per series instead of
 ``hopping_window_s / hopping_step_s`` overlapping windows. When the tumbling size equals the
 hopping step the two series are the same buckets, stored once.
+
+Why not Faust's windowed tables
+-------------------------------
+The design brief asked for windowed tables to build micro-batches. The product does two
+different things instead, for these reasons:
+
+*Micro-batches are built in memory* (:mod:`streamapp.batching`), not in a table. A batch lives for
+at most ``max_batch_delay_ms`` (5 ms by default), and what makes it durable is that none of its
+records' offsets is committed until every outcome is acknowledged by the broker: after a crash
+the records are read again (:mod:`streamapp.offsets`). Collecting requests in a table would add,
+per request, a RocksDB put and a changelog record carrying the whole tensor (up to
+``max_request_bytes``), plus a delete when the batch closes, and a worker taking over a partition
+would first restore those pending requests from the changelog — all to protect data Kafka
+already keeps. Faust closes windows from a timer (``table_cleanup_interval``, 30 s by default),
+far too coarse for a 5 ms batch deadline.
+
+*Per-device window aggregates are our own buckets* in plain RocksDB tables
+(:mod:`streamapp.tables.faust_tables`) rather than ``Table(...).tumbling()`` / ``.hopping()``:
+
+* Writes: a Faust hopping table writes every window that contains the timestamp — ``size / step``
+  keys, each a RocksDB put and a changelog record (6 for 60 s every 10 s) — for every update. We
+  write one step bucket per series, and only once per batch per device (the observer groups a
+  batch's outcomes): a batch of 32 requests of one device writes its stats row and one bucket
+  (two when the tumbling size differs from the hopping step), where windowed tables updated per
+  request would write 32 × (1 tumbling + 6 hopping) window keys with the default sizes.
+* Restore: what a moved partition restores is the buckets (``hopping_window_s / hopping_step_s``
+  times fewer rows than overlapping hopping windows), with the device's stats row, from compacted
+  changelogs; the restart tests check the rows come back.
+* Known Faust issues on this path: faust-streaming #172 (a tumbling table's ``on_window_close``
+  fired irregularly, and for only one of several partitions) and the thread of #412 (hopping
+  windows not holding a whole window's data; a maintainer noting that windowed data did not
+  survive a worker restart or rebalance with the RocksDB driver). In the faust-streaming 0.15.3
+  installed here, ``Table._del_old_keys`` looks up ``_partition_timestamp_keys`` by
+  ``(partition, window_range)`` while it is keyed by ``(partition, range_end)``, so the lookup
+  never matches (a comment there says so). Expiry and window closing are exactly where these
+  bugs sit, and our windows need neither callbacks nor Faust's timer.
+
+What it costs: this module and :mod:`streamapp.tables.aggregates` are ours to maintain; a
+hopping window is summed from its step buckets at every read; buckets expire
+(``window_expires_s``) only when their device writes again, so a silent device keeps its old
+buckets on disk (not served); windows use processing time only.
 """
 
 from __future__ import annotations

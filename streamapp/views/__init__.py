@@ -4,7 +4,7 @@ Every answer is JSON except ``/metrics``; every error is
 ``{"error": code, "message": ..., "status": n}`` (400 bad query, 404 unknown device, 503 not
 ready). Device queries are answered by the worker that owns the device and forwarded there from
 any other worker (:mod:`streamapp.views.routing`). :data:`ENDPOINTS` is the API reference; the
-README's table is kept equal to it by a test.
+docs/api.md's table is kept equal to it by a test.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ ENDPOINTS: tuple[tuple[str, str, str, str], ...] = (
 
 
 def api_reference() -> str:
-    """The Markdown table of :data:`ENDPOINTS` (what the README shows)."""
+    """The Markdown table of :data:`ENDPOINTS` (what docs/api.md shows)."""
     rows = ["| method | path | query | answer |", "|---|---|---|---|"]
     for method, path, query, text in ENDPOINTS:
         rows.append(f"| {method} | `{path}` | {query or '—'} | {text} |")

@@ -1,16 +1,14 @@
-"""Fixtures for the engines tests: small ONNX models built in the test, an isolated registry."""
+"""Fixtures for the engines tests: small ONNX models built in the test."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper
-
-from engines import registry
 
 #: Builds a model file: ``make_onnx_model(name, batch_dim=..., dtype=...) -> path``.
 ModelFactory = Callable[..., Path]
@@ -68,11 +66,3 @@ def onnx_model(make_onnx_model: ModelFactory) -> Path:
     """``input`` float32[batch, 1, 8, 8] -> ``probs`` float32[batch, 10], opset 17."""
     return make_onnx_model()
 
-
-@pytest.fixture
-def isolated_registry(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, registry.Backend]]:
-    """A copy of the backend registry (built-ins loaded) that the test may change freely."""
-    registry.registered_backends()  # import the built-in backends into the real registry first
-    copy = dict(registry._REGISTRY)
-    monkeypatch.setattr(registry, "_REGISTRY", copy)
-    yield copy

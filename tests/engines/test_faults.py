@@ -14,7 +14,6 @@ import pytest
 
 from engines import registry
 from engines.exceptions import (
-    BackendUnavailableError,
     EngineError,
     EngineLoadError,
     EngineRuntimeError,
@@ -22,9 +21,11 @@ from engines.exceptions import (
     InputSpecError,
     OutOfMemoryError,
 )
+from engines.registry import PLUGINS_ENV
 from engines.testing import (
     FAULT_ERRORS,
     FAULTS_ENV,
+    FAULTS_PLUGIN,
     FakeEngine,
     FaultRule,
     FaultSpec,
@@ -36,6 +37,9 @@ from streamapp.models import ModelRepository
 from streamapp.records import InferenceRequest, TensorPayload
 
 MARK = -0.0625
+
+#: The test backends ("faulty" wraps real ones) are registered for every test here.
+pytestmark = pytest.mark.usefixtures("test_backends")
 
 
 def items(n: int, seed: int = 0) -> np.ndarray:
@@ -312,21 +316,9 @@ def test_faulty_must_wrap_a_named_real_backend(onnx_model: Path, inner: str) -> 
         registry.load_engine("faulty", onnx_model, faults=[], inner_backend=inner)
 
 
-def test_auto_never_picks_the_faulty_backend(
-    isolated_registry: dict[str, registry.Backend],
-) -> None:
-    assert isolated_registry["faulty"].test_only
-    assert "faulty" in registry.available_backends()
-    for name in list(isolated_registry):
-        if name != "faulty":
-            registry.register(name, lambda path, **o: FakeEngine(), is_available=lambda: False)
-
-    with pytest.raises(BackendUnavailableError):
-        registry.resolve_backend("auto")
-
-
 def test_a_fresh_process_loads_faulty_from_the_environment(onnx_model: Path) -> None:
-    # What a worker subprocess does: STREAMAPP_BACKEND=faulty → load_engine("faulty", path).
+    # What a worker subprocess started by a test does: the plugin hook registers "faulty", then
+    # STREAMAPP_BACKEND=faulty → load_engine("faulty", path).
     script = (
         "import numpy as np\n"
         "from engines.registry import load_engine\n"
@@ -339,7 +331,10 @@ def test_a_fresh_process_loads_faulty_from_the_environment(onnx_model: Path) -> 
         "    except Exception as exc:\n"
         "        print(type(exc).__name__, exc.retriable)\n"
     )
-    env = {FAULTS_ENV: json.dumps([{"match_first_value": 0.0, "kind": "timeout", "times": 2}])}
+    env = {
+        FAULTS_ENV: json.dumps([{"match_first_value": 0.0, "kind": "timeout", "times": 2}]),
+        PLUGINS_ENV: FAULTS_PLUGIN,
+    }
     out = subprocess.run(
         [sys.executable, "-c", script],
         capture_output=True,

@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -7,7 +10,12 @@ from typing import Any
 import pytest
 
 from engines import registry
-from engines.exceptions import BackendUnavailableError, EngineError, UnknownBackendError
+from engines.exceptions import (
+    BackendUnavailableError,
+    EngineError,
+    EngineLoadError,
+    UnknownBackendError,
+)
 from engines.testing import FakeEngine
 
 
@@ -116,3 +124,79 @@ def test_loading_an_unavailable_backend_says_what_is_available(
     assert "'tensorrt'" in str(info.value)
     assert "onnxruntime" in str(info.value)
     assert isinstance(info.value, EngineError)
+
+
+def test_auto_never_resolves_to_a_test_only_backend(
+    test_backends: dict[str, registry.Backend], onnx_model: Path
+) -> None:
+    assert {"fake", "faulty"} <= set(registry.available_backends())
+    assert test_backends["fake"].test_only and test_backends["faulty"].test_only
+    assert not {"fake", "faulty"} & set(registry.auto_candidates())
+    assert registry.resolve_backend("auto") not in {"fake", "faulty"}
+    with registry.load_engine("auto", onnx_model, max_batch_size=4) as engine:
+        assert engine.info.backend not in {"fake", "faulty"}
+
+    # Not even when they are the only backends that can run here.
+    for name in list(test_backends):
+        if not test_backends[name].test_only:
+            registry.register(name, _fake_loader, is_available=lambda: False)
+    with pytest.raises(BackendUnavailableError, match="no engine backend"):
+        registry.resolve_backend("auto")
+    with pytest.raises(BackendUnavailableError, match="no engine backend"):
+        registry.load_engine("auto", onnx_model)
+
+
+def test_auto_loads_with_the_next_candidate_when_one_cannot_load_the_file(
+    isolated_registry: dict[str, registry.Backend],
+) -> None:
+    def plans_only(model_path: Path, **options: Any) -> FakeEngine:
+        raise EngineLoadError(f"{model_path} is not a plan")
+
+    isolated_registry.clear()
+    registry.register("tensorrt", plans_only)
+    registry.register("onnxruntime", _fake_loader)
+    engine = registry.load_engine("auto", "model.onnx", seed=5)
+    assert isinstance(engine, FakeEngine) and engine.info.extra["seed"] == 5
+
+    registry.register("onnxruntime", plans_only)
+    with pytest.raises(EngineLoadError) as info:
+        registry.load_engine("auto", "model.onnx")
+    assert "tensorrt: model.onnx is not a plan" in str(info.value)
+    assert "onnxruntime: model.onnx is not a plan" in str(info.value)
+    with pytest.raises(EngineLoadError, match="is not a plan"):  # a named backend: no fallback
+        registry.load_engine("tensorrt", "model.onnx")
+
+
+def test_a_plugin_module_from_the_environment_registers_backends(
+    isolated_registry: dict[str, registry.Backend], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    isolated_registry.pop("faulty", None)
+    monkeypatch.setattr(registry, "_loaded", False)
+    monkeypatch.setenv(registry.PLUGINS_ENV, "engines.testing.faults")
+    assert "faulty" in registry.registered_backends()
+    assert registry.get_backend("faulty").test_only
+
+    monkeypatch.setattr(registry, "_loaded", False)
+    monkeypatch.setenv(registry.PLUGINS_ENV, "engines.nonexistent")
+    with pytest.raises(UnknownBackendError, match=r"ENGINES_PLUGINS names 'engines\.nonexistent'"):
+        registry.registered_backends()
+
+
+def test_production_loads_never_import_the_test_code() -> None:
+    # A fresh process with no ENGINES_* variables: what `streamapp worker` does to load models.
+    script = (
+        "import sys\n"
+        "from engines.registry import available_backends, registered_backends\n"
+        "from streamapp.models.loading import load_models\n"
+        "from streamapp.settings import Settings\n"
+        "models = load_models(Settings(backend='auto'))\n"
+        "print(sorted(registered_backends()), models['digits'].info.backend)\n"
+        "print(sorted(m for m in sys.modules if m.startswith('engines.testing')))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ENGINES_")}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120, env=env, check=True)
+    registered, imported = out.stdout.strip().split("\n")
+    assert "faulty" not in registered and "fake" not in registered
+    assert registered.split()[-1] in registry.auto_candidates()  # the backend that served digits
+    assert imported == "[]"

@@ -1,7 +1,8 @@
 """Retries, poison isolation and bad input, end to end on a real worker and broker.
 
 The worker runs the test-only ``faulty`` backend (ONNX Runtime with injected failures, see
-``engines/testing.py``): a request whose first pixel carries a marker value fails as configured.
+``engines/testing/faults.py``): a request whose first pixel carries a marker value fails as
+configured.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import numpy as np
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
+from engines.registry import PLUGINS_ENV
+from engines.testing import FAULTS_PLUGIN
 from streamapp.broker import EmbeddedBroker
 from streamapp.client import collect_outcomes, publish_values
 from streamapp.codecs import encode_request
@@ -56,6 +59,7 @@ def faulty_worker(
     options: dict[str, Any] = request.param
     faults = options.pop("faults")
     monkeypatch.setenv("ENGINES_FAULTS", json.dumps(faults))
+    monkeypatch.setenv(PLUGINS_ENV, FAULTS_PLUGIN)  # the worker process registers "faulty"
     s = worker_settings
     proc = WorkerProcess(
         {

@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from engines.registry import PLUGINS_ENV
+from engines.testing import FAULTS_PLUGIN
 from streamapp.broker import EmbeddedBroker
 from streamapp.client import collect_outcomes, digits_requests, load_digits_frames, publish
 from streamapp.process import WorkerProcess
@@ -30,6 +32,9 @@ async def test_worker_with_faulty_backend_from_the_environment(
         "ENGINES_FAULTS",
         json.dumps([{"match_first_value": -0.0625, "kind": "input"}]),
     )
+    # Test-only backends exist only where a test registers them: the worker process gets
+    # "faulty" through the registry's plugin hook.
+    monkeypatch.setenv(PLUGINS_ENV, FAULTS_PLUGIN)
     s = worker_settings
     proc = WorkerProcess(
         {

@@ -6,13 +6,14 @@ import re
 from pathlib import Path
 from typing import Any
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from streamapp.agents.observer import Outcome
 from streamapp.batching import BatchInfo
 from streamapp.metrics import METRIC_FAMILIES, GpuMonitor, Metrics, WorkerGauges
 
-README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+METRICS_DOC = (Path(__file__).resolve().parents[2] / "docs" / "metrics.md").read_text()
 
 
 class NoGpu(GpuMonitor):
@@ -59,19 +60,28 @@ async def test_outcomes_and_batches_are_counted() -> None:
     await metrics.flush()
     s = await scrape(metrics)
     requests = s["streamapp_requests_total"]
-    assert requests[(("model", "digits"), ("outcome", "result"))] == 5
-    assert requests[(("model", "digits"), ("outcome", "dead_letter"))] == 1
-    # request fields are untrusted: an unknown model name does not become a label value
-    assert requests[(("model", "unknown"), ("outcome", "dead_letter"))] == 1
+    # final outcomes only: the retried request is not finished yet
+    assert requests == {
+        (("model", "digits"), ("outcome", "result")): 5,
+        (("model", "digits"), ("outcome", "dead_letter")): 1,
+        # request fields are untrusted: an unknown model name does not become a label value
+        (("model", "unknown"), ("outcome", "dead_letter")): 1,
+    }
     assert s["streamapp_dead_letters_total"][(("model", "digits"), ("reason", "bad_shape"))] == 1
-    assert s["streamapp_retries_total"][(("model", "digits"), ("reason", "engine_oom"))] == 1
+    assert s["streamapp_retries_total"] == {(("model", "digits"), ("reason", "engine_oom")): 1}
     assert s["streamapp_batches_total"][(("closed_by", "delay"), ("model", "digits"))] == 1
     assert s["streamapp_batch_size_sum"][(("model", "digits"),)] == 5
-    e2e = (("model", "digits"), ("stage", "e2e"))
-    assert s["streamapp_latency_seconds_count"][e2e] == 5
-    assert s["streamapp_latency_seconds_sum"][e2e] == 5 * 0.120
-    assert s["streamapp_latency_seconds_bucket"][(("le", "0.1"), *e2e)] == 0
-    assert s["streamapp_latency_seconds_bucket"][(("le", "0.2"), *e2e)] == 5
+    digits = (("model", "digits"),)
+    # one family per duration, each observed once per answered request
+    for family, seconds in (("streamapp_queue_duration_seconds", 0.003),
+                            ("streamapp_inference_duration_seconds", 0.0015),
+                            ("streamapp_e2e_duration_seconds", 0.120)):
+        assert s[f"{family}_count"] == {digits: 5}
+        assert s[f"{family}_sum"][digits] == pytest.approx(5 * seconds)
+    e2e_buckets = s["streamapp_e2e_duration_seconds_bucket"]
+    assert e2e_buckets[(("le", "0.1"), *digits)] == 0
+    assert e2e_buckets[(("le", "0.2"), *digits)] == 5
+    assert s["streamapp_queue_duration_seconds_bucket"][(("le", "0.005"), *digits)] == 5
 
 
 async def test_gauges_are_refreshed_at_scrape_time_and_a_failing_refresher_is_contained() -> None:
@@ -97,7 +107,7 @@ async def test_gauges_are_refreshed_at_scrape_time_and_a_failing_refresher_is_co
     (info_labels,) = s["streamapp_engine_info"]
     assert dict(info_labels)["precision"] == "fp16"
     gpu = (("gpu", "0"), ("name", "NVIDIA H200"))
-    assert s["streamapp_gpu_utilization"][gpu] == 0.42
+    assert s["streamapp_gpu_utilization_ratio"][gpu] == 0.42
     assert s["streamapp_gpu_memory_total_bytes"][gpu] == 141 * 2**30
 
 
@@ -115,9 +125,9 @@ def test_registries_are_per_app() -> None:
 
 
 def _documented() -> set[str]:
-    block = README.split("<!-- metrics-reference:start -->")[1].split(
+    block = METRICS_DOC.split("<!-- metrics-reference:start -->")[1].split(
         "<!-- metrics-reference:end -->")[0]
-    return set(re.findall(r"^\| `(streamapp_[a-z_]+)` \|", block, re.M))
+    return set(re.findall(r"^\| `(streamapp_[a-z0-9_]+)` \|", block, re.M))
 
 
 async def test_every_exported_family_is_documented_and_every_documented_one_exported() -> None:

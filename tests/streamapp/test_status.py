@@ -32,15 +32,21 @@ def metrics_text(results: int, dead: int, e2e_le_0_1: int, e2e_total: int,
 # TYPE streamapp_requests_total counter
 streamapp_requests_total{{model="digits",outcome="result"}} {results}
 streamapp_requests_total{{model="digits",outcome="dead_letter"}} {dead}
-streamapp_requests_total{{model="digits",outcome="retry"}} 3
+# TYPE streamapp_retries_total counter
+streamapp_retries_total{{model="digits",reason="engine_oom"}} 3
 # TYPE streamapp_dead_letters_total counter
 streamapp_dead_letters_total{{model="digits",reason="bad_shape"}} {dead}
-# TYPE streamapp_latency_seconds histogram
-streamapp_latency_seconds_bucket{{le="0.1",model="digits",stage="e2e"}} {e2e_le_0_1}
-streamapp_latency_seconds_bucket{{le="1.0",model="digits",stage="e2e"}} {e2e_total}
-streamapp_latency_seconds_bucket{{le="+Inf",model="digits",stage="e2e"}} {e2e_total}
-streamapp_latency_seconds_count{{model="digits",stage="e2e"}} {e2e_total}
-streamapp_latency_seconds_sum{{model="digits",stage="e2e"}} 1.0
+# TYPE streamapp_queue_duration_seconds histogram
+streamapp_queue_duration_seconds_bucket{{le="0.1",model="digits"}} {e2e_total}
+streamapp_queue_duration_seconds_bucket{{le="+Inf",model="digits"}} {e2e_total}
+streamapp_queue_duration_seconds_count{{model="digits"}} {e2e_total}
+streamapp_queue_duration_seconds_sum{{model="digits"}} 0.1
+# TYPE streamapp_e2e_duration_seconds histogram
+streamapp_e2e_duration_seconds_bucket{{le="0.1",model="digits"}} {e2e_le_0_1}
+streamapp_e2e_duration_seconds_bucket{{le="1.0",model="digits"}} {e2e_total}
+streamapp_e2e_duration_seconds_bucket{{le="+Inf",model="digits"}} {e2e_total}
+streamapp_e2e_duration_seconds_count{{model="digits"}} {e2e_total}
+streamapp_e2e_duration_seconds_sum{{model="digits"}} 1.0
 # TYPE streamapp_batch_size histogram
 streamapp_batch_size_bucket{{le="+Inf",model="digits"}} {batches}
 streamapp_batch_size_count{{model="digits"}} {batches}

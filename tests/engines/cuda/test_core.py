@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from engines import cuda
-from engines.cuda import fake_runtime
 from engines.exceptions import EngineClosedError, InputSpecError, OutOfMemoryError
+from engines.testing import fake_cuda
 
 
 def test_round_trip_through_device_memory(runtime: str) -> None:
@@ -81,7 +81,7 @@ def test_pinned_view_must_fit(runtime: str) -> None:
 
 
 def test_out_of_memory_is_a_retriable_engine_error(standin: None) -> None:
-    fake_runtime.configure(total_memory=1 << 20)
+    fake_cuda.configure(total_memory=1 << 20)
     with pytest.raises(cuda.CudaOutOfMemoryError) as info:
         cuda.DeviceBuffer(2 << 20)
     assert isinstance(info.value, OutOfMemoryError)
@@ -94,7 +94,7 @@ def test_failed_calls_name_the_call_and_the_error(standin: None) -> None:
     with cuda.Stream() as stream, cuda.DeviceBuffer(16) as dev, cuda.PinnedBuffer(16) as host:
         with pytest.raises(cuda.CudaError, match="cudaMemcpyAsync failed: cudaErrorInvalidValue"):
             cuda.memcpy_htod_async(dev.ptr, host.ptr, 17, stream)  # one byte past the end
-        fake_runtime.fail_next("cudaMemcpyAsync", fake_runtime.cudaError_t.cudaErrorLaunchFailure)
+        fake_cuda.fail_next("cudaMemcpyAsync", fake_cuda.cudaError_t.cudaErrorLaunchFailure)
         with pytest.raises(cuda.CudaError) as info:
             cuda.memcpy_htod_async(dev.ptr, host.ptr, 16, stream)
         assert info.value.retriable
@@ -113,7 +113,7 @@ def test_async_failure_is_reported_by_the_next_event(standin: None) -> None:
 
 
 def test_no_device_makes_cuda_unavailable(standin: None) -> None:
-    fake_runtime.fail_next("cudaGetDeviceCount", fake_runtime.cudaError_t.cudaErrorNoDevice)
+    fake_cuda.fail_next("cudaGetDeviceCount", fake_cuda.cudaError_t.cudaErrorNoDevice)
     assert not cuda.is_available()
     assert cuda.is_available()  # the injected failure was used up
 

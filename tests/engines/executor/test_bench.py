@@ -12,10 +12,9 @@ from typer.testing import CliRunner
 from engines import cuda
 from engines.bench import BenchConfig, format_results, run_bench
 from engines.cli import app
-from engines.cuda import fake_runtime
-from engines.tensorrt import fake_trt
 from engines.tensorrt._api import use_tensorrt
 from engines.tensorrt.builder import build_plan
+from engines.testing import fake_cuda, fake_trt
 
 FAST = {"duration_s": 0.2, "warmup_s": 0.05, "batch_sizes": (1, 4)}
 
@@ -49,8 +48,8 @@ def test_bench_cli_on_cpu_writes_json(onnx_model: Path, tmp_path: Path) -> None:
 
 
 def test_bench_on_the_gpu_path_with_standins(onnx_model: Path, tmp_path: Path) -> None:
-    fake_runtime.reset()
-    with cuda.use_runtime(fake_runtime), use_tensorrt(fake_trt):
+    fake_cuda.reset()
+    with cuda.use_runtime(fake_cuda), use_tensorrt(fake_trt):
         plan = tmp_path / "m.plan"
         build_plan(onnx_model, plan, max_batch=4)
         results = run_bench(
@@ -58,7 +57,7 @@ def test_bench_on_the_gpu_path_with_standins(onnx_model: Path, tmp_path: Path) -
             log=lambda _: None,
         )
         assert cuda.live_handles() == {}
-    fake_runtime.reset()
+    fake_cuda.reset()
     assert set(results["raw"]["4"]) == {"io", "device"}
     assert results["executor"]["4"]["items_per_s"] > 0
     timeline = results["timeline"]

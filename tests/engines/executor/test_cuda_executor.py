@@ -13,20 +13,19 @@ import numpy as np
 import pytest
 
 from engines import cuda
-from engines.cuda import fake_runtime
 from engines.exceptions import EngineClosedError, EngineRuntimeError, InputSpecError
 from engines.executor.cuda import CudaExecutor
-from engines.testing import FakeEngine
+from engines.testing import FakeEngine, fake_cuda
 from tests.engines.executor.stream_engines import AffineEngine, CopyEngine, items
 
 
 @pytest.fixture(autouse=True)
 def standin() -> Iterator[None]:
-    fake_runtime.reset()
-    with cuda.use_runtime(fake_runtime):
+    fake_cuda.reset()
+    with cuda.use_runtime(fake_cuda):
         yield
     assert cuda.live_handles() == {}, "the test leaked CUDA objects"
-    fake_runtime.reset()
+    fake_cuda.reset()
 
 
 def _x(batch: list[dict[str, np.ndarray]]) -> np.ndarray:
@@ -118,7 +117,7 @@ async def test_a_failing_batch_fails_alone() -> None:
 async def test_a_cuda_error_while_enqueueing_fails_that_batch_only() -> None:
     engine = CopyEngine(max_batch=4)
     async with CudaExecutor(engine, streams=1, depth=1) as ex:
-        fake_runtime.fail_next("cudaMemcpyAsync", fake_runtime.cudaError_t.cudaErrorLaunchFailure)
+        fake_cuda.fail_next("cudaMemcpyAsync", fake_cuda.cudaError_t.cudaErrorLaunchFailure)
         with pytest.raises(cuda.CudaError, match="cudaMemcpyAsync"):
             await ex.run(items(2))
         out = await ex.run(items(2, start=5))
@@ -154,7 +153,7 @@ async def test_close_waits_for_inflight_batches_and_frees_everything() -> None:
 
 
 async def test_allocation_failure_leaks_nothing() -> None:
-    fake_runtime.configure(total_memory=1000)
+    fake_cuda.configure(total_memory=1000)
     with pytest.raises(cuda.CudaOutOfMemoryError):
         CudaExecutor(CopyEngine(max_batch=64), streams=2)
     assert cuda.live_handles() == {}

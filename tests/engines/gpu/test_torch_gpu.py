@@ -105,9 +105,9 @@ def test_torch_executor_frees_its_memory(report: Callable[[str, dict[str, Any]],
 def test_tensorrt_standin_runs_on_real_cuda(tmp_path: Path) -> None:
     """The TensorRT backend's call sequence with real device pointers and streams (the
     stand-in computes on the host; this is not real TensorRT)."""
-    from engines.tensorrt import fake_trt
     from engines.tensorrt._api import use_tensorrt
     from engines.tensorrt.builder import build_plan, parse_shapes
+    from engines.testing import fake_trt
 
     x, _ = _digits()
     reference = _onnxruntime_probs(x[:200])

@@ -8,15 +8,14 @@ from collections.abc import Iterator
 import pytest
 
 from engines import cuda
-from engines.cuda import fake_runtime
-from engines.tensorrt import fake_trt
 from engines.tensorrt._api import use_tensorrt
+from engines.testing import fake_cuda, fake_trt
 
 
 @pytest.fixture(autouse=True)
 def standins() -> Iterator[None]:
-    fake_runtime.reset()
-    with cuda.use_runtime(fake_runtime), use_tensorrt(fake_trt):
+    fake_cuda.reset()
+    with cuda.use_runtime(fake_cuda), use_tensorrt(fake_trt):
         yield
     assert cuda.live_handles() == {}, "the test leaked CUDA objects"
-    fake_runtime.reset()
+    fake_cuda.reset()

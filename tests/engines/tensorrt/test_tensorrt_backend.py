@@ -16,11 +16,11 @@ from engines import load_engine
 from engines.cli import app
 from engines.exceptions import EngineLoadError, InputSpecError, PlanMismatchError
 from engines.executor.cuda import CudaExecutor
-from engines.tensorrt import fake_trt
 from engines.tensorrt.builder import build_plan, parse_shapes
 from engines.tensorrt.engine import TensorRTEngine
 from engines.tensorrt.exceptions import BuildError
 from engines.tensorrt.plan import PlanMetadata, sha256_file, sidecar_path
+from engines.testing import fake_trt
 
 
 def _x(n: int, seed: int = 0) -> np.ndarray:

@@ -19,7 +19,7 @@ from streamapp.app import create_app
 from streamapp.settings import Settings
 from streamapp.views import ENDPOINTS, api_reference
 
-README = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+API_DOC = (Path(__file__).resolve().parents[3] / "docs" / "api.md").read_text()
 
 
 @pytest.fixture
@@ -37,8 +37,8 @@ def test_the_registered_routes_are_the_documented_endpoints(tmp_path: Path) -> N
     assert routes == {(method, path) for method, path, *_ in ENDPOINTS}
 
 
-def test_the_readme_shows_the_api_reference() -> None:
-    block = README.split("<!-- api-reference:start -->\n")[1].split("\n<!-- api-reference:end")[0]
+def test_the_api_doc_shows_the_api_reference() -> None:
+    block = API_DOC.split("<!-- api-reference:start -->\n")[1].split("\n<!-- api-reference:end")[0]
     assert block == api_reference()
 
 

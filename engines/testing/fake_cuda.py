@@ -146,7 +146,7 @@ class _State:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.total_memory = 16 << 30
-        self.device_name = "Stand-in CUDA device (engines.cuda.fake_runtime)"
+        self.device_name = "Stand-in CUDA device (engines.testing.fake_cuda)"
         self.cc = (9, 0)
         self.allocs: dict[int, _Alloc] = {}
         self.starts: list[int] = []

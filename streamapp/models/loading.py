@@ -1,0 +1,76 @@
+"""Loading a worker's models: each model of ``settings.models`` on its engine and executor.
+
+The backend comes from ``settings.backend``; ``auto`` is resolved by the engine registry
+(:func:`engines.registry.load_first`), the one place that defines it: the first available
+backend that is not test-only and loads the model's file, in the order TensorRT, PyTorch CUDA,
+ONNX Runtime. Each candidate gets the backend options of the model's metadata for that backend.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from engines.base import StreamEngine
+from engines.executor import Executor, ThreadExecutor
+from engines.registry import load_engine, load_first
+from streamapp.agents.pipeline import LoadedModel
+from streamapp.models.repository import ModelConfig, ModelRepository
+from streamapp.settings import Settings
+
+__all__ = ["load_models"]
+
+log = logging.getLogger(__name__)
+
+
+def _make_executor(
+    backend: str, model_path: str, settings: Settings, options: dict[str, Any] | None = None
+) -> Executor:
+    """A GPU executor on CUDA streams for engines that can enqueue on a stream (TensorRT, the
+    PyTorch CUDA backend), else a thread executor (ONNX Runtime on CPU).
+
+    Args:
+        backend: A registered backend name (not ``auto``).
+        model_path: The model's file.
+        settings: ``max_batch_size``, ``max_inflight_batches`` and ``cuda_streams`` are used.
+        options: Backend options from the model's metadata (e.g. ``precision``).
+
+    Raises:
+        EngineError: The backend is unknown or unavailable, or the model failed to load.
+    """
+    engine = load_engine(
+        backend, model_path, max_batch_size=settings.max_batch_size, **(options or {})
+    )
+    if isinstance(engine, StreamEngine):
+        from engines.executor.cuda import CudaExecutor  # imports cuda-python
+
+        depth = max(1, -(-settings.max_inflight_batches // settings.cuda_streams))
+        return CudaExecutor(engine, streams=settings.cuda_streams, depth=depth,
+                            max_batch=settings.max_batch_size)
+    return ThreadExecutor(engine, max_inflight=settings.max_inflight_batches)
+
+
+def load_models(settings: Settings) -> dict[str, LoadedModel]:
+    """Load every model in ``settings.models`` with ``settings.backend``.
+
+    Returns:
+        Model name → the loaded model (its config and the executor running its engine).
+
+    Raises:
+        ModelNotFoundError: A model is not in the repository.
+        EngineError: A backend is unknown/unavailable or a model failed to load (with ``auto``:
+            no candidate loaded it; the message lists each one's error).
+    """
+    repo = ModelRepository(settings.models_dir)
+    loaded = {}
+    for name in settings.models:
+        config = repo.get(name)
+
+        def make(backend: str, config: ModelConfig = config) -> Executor:
+            return _make_executor(backend, str(config.path), settings,
+                                  config.engine_options(backend))
+
+        executor = load_first(settings.backend, make)
+        loaded[name] = LoadedModel(config, executor)
+        log.info("loaded model %s v%s with %s", name, config.version, executor.engine.info.tag)
+    return loaded
