@@ -4,15 +4,16 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: help install demo test test-fast lint docs bench bench-smoke bench-backlog train clean
+.PHONY: help install demo test test-fast lint docs bench bench-smoke bench-backlog bench-scaleout train clean
 
 help:
 	@echo "make demo   - broker + worker + 1,797 real digits from 16 devices, prints a summary"
 	@echo "make test   - the whole test suite (unit + integration on the embedded broker)"
 	@echo "make lint   - ruff and mypy"
-	@echo "make bench  - benchmarks on CPU: ceilings, product, seeds' comparison, backlog (~10 min)"
+	@echo "make bench  - benchmarks on CPU: ceilings, product, seeds' comparison, backlog, scale-out (~12 min)"
 	@echo "make bench-smoke   - the same code paths in under a minute (CI runs it as a test)"
 	@echo "make bench-backlog - worker RSS with 1,000,000 requests waiting, alone"
+	@echo "make bench-scaleout - only the scale-out: N = 1, 2 workers and the ceilings (~4 min)"
 	@echo "make train  - retrain the digits model (needs the 'train' extra: torch)"
 
 $(STAMP): pyproject.toml
@@ -59,3 +60,6 @@ bench-smoke: $(STAMP)
 
 bench-backlog: $(STAMP)
 	$(BIN)/python -m bench backlog --requests 1000000 --out bench-results/backlog
+
+bench-scaleout: $(STAMP)
+	$(BIN)/python -m bench scaleout --profile cpu --out bench-results/scaleout

@@ -1,4 +1,5 @@
-"""``python -m bench run --profile cpu|smoke|gpu [--out DIR]`` and ``python -m bench backlog``."""
+"""``python -m bench run --profile cpu|smoke|gpu [--out DIR]``, ``python -m bench scaleout``
+and ``python -m bench backlog``."""
 
 from __future__ import annotations
 
@@ -6,11 +7,14 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from bench.report import format_report, write_plots
-from bench.run import PROFILES, run_profile
+from bench.run import PROFILES, environment, run_profile
+from bench.scaleout import LAUNCHERS, SCALE_PROFILES, run_scaleout
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,6 +29,25 @@ def main(argv: list[str] | None = None) -> int:
                      help="worker/broker logs and raw profiles (default OUT/logs)")
     run.add_argument("--budget-s", type=float, default=None,
                      help="skip what no longer fits in this many seconds (hard time limits)")
+    run.add_argument("--no-scaleout", action="store_true", help="skip the scale-out section")
+    run.add_argument("--launcher", choices=LAUNCHERS, default="own",
+                     help="how the scale-out starts N workers: N processes started here "
+                     "(own) or one 'streamapp worker --processes N' (processes)")
+    scale = sub.add_parser("scaleout", help="only the scale-out section: N workers, ceilings")
+    scale.add_argument("--profile", choices=sorted(SCALE_PROFILES), default="cpu")
+    scale.add_argument("--out", type=Path, default=None,
+                       help="default bench-results/scaleout-PROFILE")
+    scale.add_argument("--logs", type=Path, default=None, help="default OUT/logs")
+    scale.add_argument("--launcher", choices=LAUNCHERS, default="own")
+    scale.add_argument("--ns", default="", help="comma-separated worker counts (override)")
+    scale.add_argument("--only", default="", help="comma-separated workloads to run")
+    scale.add_argument("--backend", default=None,
+                       help="override the workers' backend (e.g. onnxruntime: the GPU "
+                       "profile's logic on CPU)")
+    scale.add_argument("--budget-s", type=float, default=None,
+                       help="skip steps that no longer fit in this many seconds")
+    scale.add_argument("--dry-run", action="store_true",
+                       help="print the steps, their estimates and what the budget skips")
     backlog = sub.add_parser("backlog", help="worker RSS with a backlog waiting in the topic")
     backlog.add_argument("--requests", type=int, default=1_000_000)
     backlog.add_argument("--seconds", type=float, default=45.0)
@@ -44,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
             args.plots.mkdir(parents=True, exist_ok=True)
             print("wrote", ", ".join(str(p) for p in write_plots(results, args.plots)))
         return 0
+    if args.command == "scaleout":
+        return _scaleout(args, log)
     if args.command == "run":
         profile = PROFILES[args.profile]
         only = tuple(w for w in args.only.split(",") if w)
@@ -54,11 +79,13 @@ def main(argv: list[str] | None = None) -> int:
                           backlog_s=args.seconds)
         only, out, backlog_flag = (), args.out, True
         args.logs = args.budget_s = None
+        args.no_scaleout, args.launcher = True, "own"
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     results = run_profile(profile, out, only=only, backlog=backlog_flag, log=log,
                           logs=args.logs, budget_s=args.budget_s,
-                          start_s=12.0 if profile.name == "gpu" else 7.0)
+                          start_s=12.0 if profile.name == "gpu" else 7.0,
+                          scaleout=not args.no_scaleout, launcher=args.launcher)
     report = format_report(results)
     (out / "report.txt").write_text(report + "\n")
     plots = write_plots(results, out)
@@ -69,7 +96,40 @@ def main(argv: list[str] | None = None) -> int:
     failed = [n for n, w in results.get("workloads", {}).items() if "error" in w]
     if "error" in results.get("backlog", {}):
         failed.append("backlog")
+    failed += results.get("scaleout", {}).get("failed", [])
     return 1 if failed else 0
+
+
+def _scaleout(args: argparse.Namespace, log: Callable[[str], None]) -> int:
+    """``python -m bench scaleout``: the scale-out section alone (or its plan, ``--dry-run``)."""
+    out = args.out or Path(f"bench-results/scaleout-{args.profile}")
+    results: dict[str, Any] = {"profile": f"{args.profile} (scale-out only)", "workloads": {}}
+    ns = tuple(int(x) for x in args.ns.split(",") if x) or None
+    only = tuple(w for w in args.only.split(",") if w)
+    if args.dry_run:
+        run_scaleout(SCALE_PROFILES[args.profile], results, Path("."), log=log,
+                     launcher=args.launcher, budget_s=args.budget_s, ns=ns, only=only,
+                     dry_run=True, backend=args.backend)
+        return 0
+    out.mkdir(parents=True, exist_ok=True)
+    results["env"] = environment()
+    path = out / "bench.json"
+
+    def save() -> None:
+        path.write_text(json.dumps(results, indent=1, default=str))
+
+    started = time.monotonic()
+    run_scaleout(SCALE_PROFILES[args.profile], results, args.logs or out / "logs", log=log,
+                 launcher=args.launcher, budget_s=args.budget_s, ns=ns, only=only, save=save,
+                 backend=args.backend)
+    results["elapsed_s"] = round(time.monotonic() - started, 1)
+    save()
+    report = format_report(results)
+    (out / "report.txt").write_text(report + "\n")
+    plots = write_plots(results, out)
+    print(report)
+    print(f"\nwrote {path}, {out / 'report.txt'}" + "".join(f", {p}" for p in plots))
+    return 1 if results.get("scaleout", {}).get("failed") else 0
 
 
 if __name__ == "__main__":

@@ -48,7 +48,8 @@ def percentiles(values_ms: Sequence[float]) -> dict[str, float | None]:
 
 @dataclass
 class Collector:
-    """Reads outcome topics from the beginning; counts records, parses those of the first topic.
+    """Reads outcome topics from the beginning (``from_end``: only what arrives after
+    :meth:`start`); counts records, parses those of the first topic.
 
     Attributes:
         count: Outcome records read (every topic, probes excluded).
@@ -63,6 +64,7 @@ class Collector:
     #: Parsed records whose request ts is at or after ``min_ts`` (this run's own requests).
     fresh: int = 0
     min_ts: float = 0.0
+    from_end: bool = False
     parse_errors: int = 0
     arrivals: list[float] = field(default_factory=list)
     req_ts: list[float] = field(default_factory=list)
@@ -89,7 +91,10 @@ class Collector:
                 raise RuntimeError(f"topic {topic!r} does not exist")
             tps += [TopicPartition(topic, p) for p in sorted(parts)]
         consumer.assign(tps)
-        await consumer.seek_to_beginning(*tps)
+        if self.from_end:
+            await consumer.seek_to_end(*tps)
+        else:
+            await consumer.seek_to_beginning(*tps)
         self._consumer = consumer
         self._task = asyncio.create_task(self._run())
         return self
@@ -221,12 +226,13 @@ async def probe_until_flowing(bootstrap: str, source: str, sink: str, timeout_s:
 async def closed_loop(
     bootstrap: str, request_topic: str, outcome_topics: Sequence[str], payload: PayloadFn,
     parse: ParseFn | None, *, window: int, warmup_s: float, duration_s: float,
-    producer_options: Mapping[str, Any] | None = None,
+    producer_options: Mapping[str, Any] | None = None, from_end: bool = False,
 ) -> dict[str, Any]:
     """Keep ``window`` requests outstanding; measure outcomes/s over ``duration_s`` after
     ``warmup_s``. Latency here is queueing behind the window (reported, not the product's
-    latency: see :func:`open_loop`)."""
-    collector = await Collector(bootstrap, outcome_topics, parse).start()
+    latency: see :func:`open_loop`). ``from_end``: outcomes already in the topics (an earlier
+    measurement on the same workers) are not counted."""
+    collector = await Collector(bootstrap, outcome_topics, parse, from_end=from_end).start()
     producer = _producer(bootstrap, {"linger_ms": 2, **(producer_options or {})})
     await producer.start()
     sender = _Sender(producer, request_topic, payload)

@@ -2,7 +2,7 @@
 
 Each workload gives a :data:`bench.load.PayloadFn` (request ``n`` at time ``ts`` →
 ``(key, value)``, msgpack: raw bytes, as a gateway in front of cameras would send) over 16
-devices, and the model the worker must load.
+devices (or as many as asked), and the model the worker must load.
 """
 
 from __future__ import annotations
@@ -48,15 +48,15 @@ class Workload:
     describe: str
 
 
-def _payload_fn(model: str, inputs: list[dict[str, Any]], run: str
+def _payload_fn(model: str, inputs: list[dict[str, Any]], run: str, devices: int = DEVICES
                 ) -> Callable[[int, float], tuple[bytes, bytes]]:
-    keys = [f"device-{d:02d}" for d in range(DEVICES)]
+    keys = [f"device-{d:02d}" for d in range(devices)]
     key_bytes = [k.encode() for k in keys]
     packb = msgpack.packb
 
     def payload(n: int, ts: float) -> tuple[bytes, bytes]:
-        d = n % DEVICES
-        body = {"request_id": f"{run}-{n}", "device_id": keys[d], "seq": n // DEVICES,
+        d = n % devices
+        body = {"request_id": f"{run}-{n}", "device_id": keys[d], "seq": n // devices,
                 "ts": ts, "model": model, **inputs[n % len(inputs)]}
         return key_bytes[d], packb(body, use_bin_type=True)
 
@@ -89,12 +89,12 @@ def sample_jpegs(quality: int = 90) -> list[bytes]:
 
 
 def workload(name: str, *, run: str, models_dir: Path | None = None,
-             tensor_dtype: str = "float16") -> Workload:
-    """Build a workload; ``run`` prefixes request ids."""
+             tensor_dtype: str = "float16", devices: int = DEVICES) -> Workload:
+    """Build a workload; ``run`` prefixes request ids; requests cycle over ``devices`` keys."""
     if name == "digits":
         inputs = _digits_inputs()
         return _make(name, "digits", None, inputs, run,
-                     "scikit-learn digits, uint8[8, 8] tensors, msgpack")
+                     "scikit-learn digits, uint8[8, 8] tensors, msgpack", devices)
     if name in ("resnet50-image", "resnet50-tensor"):
         from streamapp.models import ModelRepository
 
@@ -104,7 +104,7 @@ def workload(name: str, *, run: str, models_dir: Path | None = None,
             sizes = f"{min(map(len, jpegs)) // 1000}-{max(map(len, jpegs)) // 1000} kB"
             return _make(name, "resnet50", models_dir, inputs, run,
                          f"{len(jpegs)} scikit-image photos as JPEG ({sizes}), decoded, resized "
-                         "and normalized in the worker, msgpack")
+                         "and normalized in the worker, msgpack", devices)
         config = ModelRepository(models_dir).get("resnet50")
         assert config.image is not None
         inputs = []
@@ -114,13 +114,13 @@ def workload(name: str, *, run: str, models_dir: Path | None = None,
                                       "data": array.tobytes()}})
         return _make(name, "resnet50", models_dir, inputs, run,
                      f"the same photos pre-processed at the gateway: {tensor_dtype}[3, 224, 224] "
-                     "tensors, msgpack")
+                     "tensors, msgpack", devices)
     raise ValueError(f"unknown workload {name!r}")
 
 
 def _make(name: str, model: str, models_dir: Path | None, inputs: list[dict[str, Any]],
-          run: str, describe: str) -> Workload:
-    payload = _payload_fn(model, inputs, run)
+          run: str, describe: str, devices: int = DEVICES) -> Workload:
+    payload = _payload_fn(model, inputs, run, devices)
     size = int(np.mean([len(payload(i, 1.8e9)[1]) for i in range(min(len(inputs), 64))]))
     return Workload(name, model, models_dir, payload, size, describe)
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from bench.profile import summarize
-from bench.report import format_report, ratios
+from bench.report import format_report, format_scaleout, ratios, scaleout_targets
+from bench.scaleout import SCALE_PROFILES, limiting, run_scaleout, summarize_series
 from bench.workloads import result_parse, workload
 from streamapp.codecs import encode_result
 
@@ -77,3 +79,94 @@ def test_ratios_and_report() -> None:
     text = format_report(results)
     assert "900 → 2,000 → 9,000 req/s" in text
     assert text.strip().splitlines()[-1].startswith("  w: product / min(engine, transport)")
+
+
+def _point(n: int, rate: float | None, workers_cpu: float, *, broker: float = 50.0,
+           host: float = 60.0, gpu: float | None = None, cores: int = 16) -> dict[str, Any]:
+    util: dict[str, Any] = {"cpu_pct": {**{f"w{i}": workers_cpu for i in range(n)},
+                                        "broker": broker},
+                            "machine_cpu_pct": host, "cores": cores}
+    if gpu is not None:
+        util["gpu_util_pct"] = gpu
+    return {"n": n, "backlog": 1000 * n, "outcomes": 1000 * n, "complete": True,
+            "results_per_s": rate, "utilisation": util}
+
+
+def test_limiting_resource_is_the_one_nearest_its_limit() -> None:
+    assert limiting(_point(2, 1000.0, 97.0))[0] == "worker CPU"
+    assert limiting(_point(8, 1000.0, 40.0, gpu=91.0))[0] == "GPU"
+    assert limiting(_point(8, 1000.0, 40.0, broker=1400.0))[0] == "broker CPU"
+    assert limiting(_point(2, 1000.0, 40.0, host=95.0, cores=2))[0] == "host CPU"
+    # Workers at 60 % with the aiokafka clients at 1,100/s for the same N: transport.
+    limit, fractions = limiting(_point(4, 1000.0, 60.0), transport_per_s=1100.0)
+    assert limit == "transport" and fractions["transport"] == pytest.approx(0.91)
+    assert limiting(_point(4, 1000.0, 30.0))[0] == "none"
+
+
+def _section() -> dict[str, Any]:
+    return {
+        "profile": "gpu", "launcher": "own",
+        "plans": [{"workload": "digits", "backend": "torch", "batch": 64, "delay_ms": 5.0,
+                   "inflight": 2, "partitions": 32, "devices": 256, "backlog_max": 36_000,
+                   "backlog_per_worker": 3_000}],
+        "engine": {"resnet50-tensor": {"items_per_s": 13_700.0, "batch": 64}},
+        "series": {
+            "digits workers": {"workload": "digits", "kind": "workers", "mps": False,
+                               "points": [_point(8, 13_000.0, 99.0), _point(1, 2_000.0, 99.0)]},
+            "digits faust": {"workload": "digits", "kind": "faust", "mps": False,
+                             "points": [_point(1, 3_000.0, 99.0)]},
+            "resnet50-tensor workers": {
+                "workload": "resnet50-tensor", "kind": "workers", "mps": False,
+                "points": [_point(1, 300.0, 100.0), _point(8, 1_200.0, 80.0, gpu=40.0)]},
+            "resnet50-tensor aiokafka": {
+                "workload": "resnet50-tensor", "kind": "aiokafka", "mps": False,
+                "points": [_point(8, 4_000.0, 50.0)]},
+            "resnet50-tensor workers MPS": {
+                "workload": "resnet50-tensor", "kind": "workers", "mps": True,
+                "points": [_point(8, 1_500.0, 80.0, gpu=55.0)]},
+        },
+        "skipped": ["digits faust N=12: SKIPPED, estimated 16 s and 15 s of the budget left"],
+    }
+
+
+def test_scaleout_efficiency_and_targets() -> None:
+    section = _section()
+
+    rows = summarize_series(section)
+
+    assert [r["n"] for r in rows["digits workers"]] == [1, 8]
+    assert rows["digits workers"][1]["efficiency"] == pytest.approx(13_000 / (8 * 2_000))
+    # The transport fraction of a worker series comes from the aiokafka clients at that N.
+    assert rows["resnet50-tensor workers"][1]["fractions"]["transport"] == pytest.approx(0.3)
+    targets = {t["name"]: t for t in scaleout_targets(section)}
+    assert targets["digits workers: N=8 ÷ (8 × N=1)"]["ok"] is True  # 0.8125
+    assert targets["digits workers: largest aggregate (N=8)"]["ok"] is False
+    assert targets["digits workers: one worker"]["ok"] is True
+    assert targets["digits: one worker ÷ one Faust forwarder (backlog drain)"]["value"] == "0.67"
+    resnet = targets["resnet50-tensor workers N=8: aggregate ÷ min(engine, aiokafka clients at "
+                     "this N)"]
+    assert resnet["value"] == "0.30" and resnet["ok"] is False
+    assert targets["resnet50-tensor N=8: with ÷ without CUDA MPS"]["value"] == "1.25"
+    assert targets["recommendation (largest N with both)"]["value"] == "CUDA MPS"
+    text = "\n".join(format_scaleout(section))
+    assert "SKIPPED: digits faust N=12" in text
+    assert "efficiency" in text and "→ SHORT" in text
+
+
+def test_gpu_plan_fits_its_budget_and_cuts_the_least_important_last() -> None:
+    logged: list[str] = []
+    results: dict[str, Any] = {}
+
+    run_scaleout(SCALE_PROFILES["gpu"], results, Path("."), log=logged.append, budget_s=300,
+                 dry_run=True)
+
+    planned = [line.split(":")[0].strip() for line in logged if "about" in line]
+    skipped = results["scaleout"]["skipped"]
+    assert planned[0] == "digits workers N=1"
+    assert "resnet50-tensor workers N=12" in planned
+    assert skipped and all("SKIPPED" in s for s in skipped)
+    # MPS comes after the worker series and the key ceilings: a 300 s budget cuts it.
+    assert not any("with CUDA MPS" in p for p in planned)
+    assert any(s.startswith("resnet50-tensor workers N=8 with CUDA MPS: SKIPPED") for s in skipped)
+    last_total = [line for line in logged if "(total" in line][-1]
+    assert float(last_total.split("(total ")[1].split(" s)")[0]) <= 300
