@@ -17,7 +17,13 @@ from yarl import URL
 
 from streamapp.agents.pipeline import SourceMessage
 from streamapp.delivery import Delivery
-from streamapp.faust_compat import FaustConsumer, FaustSink, event_context, set_fetch_max_wait
+from streamapp.faust_compat import (
+    FaustConsumer,
+    FaustSink,
+    event_context,
+    set_fetch_max_wait,
+    set_producer_buffer_max,
+)
 from streamapp.kafka import ssl_context
 from streamapp.retry import RetryRecord
 from streamapp.runtime import WorkerRuntime
@@ -167,6 +173,10 @@ def create_app(settings: Settings | None = None) -> faust.App:
     @app.on_partitions_assigned.connect  # type: ignore[arg-type]
     async def on_assigned(app_: Any, assigned: set[Any], **kwargs: Any) -> None:
         set_fetch_max_wait(app, conf.fetch_max_wait_ms)
+        # room for the table rows of every batch in flight (see set_producer_buffer_max)
+        set_producer_buffer_max(
+            app, max(1024, 8 * conf.max_batch_size * conf.max_inflight_batches)
+        )
         delivery.on_assigned({
             (tp.topic, tp.partition) for tp in assigned
             if tp.topic in (conf.request_topic, conf.retry_topic)

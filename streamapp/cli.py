@@ -75,9 +75,8 @@ def worker(
 
     Every option can also be set as an environment variable STREAMAPP_<OPTION> (flags win).
     """
-    import faust
-
     from streamapp.app import create_app
+    from streamapp.faust_compat import make_worker
     from streamapp.kafka import create_topics, kafka_security_options
     from streamapp.settings import load_settings
 
@@ -101,7 +100,7 @@ def worker(
         )
     except (StreamAppError, EngineError) as exc:
         raise _fail(str(exc)) from None
-    faust.Worker(app, loglevel=settings.log_level).execute_from_commandline()
+    make_worker(app, settings.log_level).execute_from_commandline()
 
 
 @cli.command()

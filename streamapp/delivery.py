@@ -22,6 +22,7 @@ Why streamapp commits itself instead of letting Faust do it: see :mod:`streamapp
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
@@ -30,7 +31,7 @@ from typing import Any, Protocol
 
 from streamapp.agents.pipeline import SourceMessage
 from streamapp.faust_compat import StandInEvent
-from streamapp.offsets import TP, OffsetTracker
+from streamapp.offsets import TP, OffsetTracker, PartitionState
 from streamapp.tasks import cancel_and_wait
 
 __all__ = ["GAP_IDLE_S", "Consumer", "Delivery", "DeliveryStats", "Record"]
@@ -56,8 +57,10 @@ class Consumer(Protocol):
         """Commit ``{(topic, partition): next offset}`` for the group; True when accepted."""
         ...
 
-    async def position(self, topic: str, partition: int) -> int | None:
-        """The consumer's fetch position of the partition (None: unknown)."""
+    async def settled_position(self, topic: str, partition: int) -> int | None:
+        """The consumer's fetch position of the partition, but only while the consumer holds
+        none of the records it fetched before that position in a buffer (they then have all
+        been handed to the agent, or were dropped); None while it may (or when unknown)."""
         ...
 
     async def read_range(self, topic: str, partition: int, start: int, end: int) -> list[Record]:
@@ -73,10 +76,18 @@ class DeliveryStats:
     Attributes:
         commits: Commits the broker accepted.
         commit_failures: Commits that raised (retried at the next interval).
+        gap_reads: Times records the consumer skipped were read directly from the broker
+            (at admission, or by the idle sweep).
+        gap_records: Records those reads handed out.
+        sweep_skips: Idle sweeps of a partition that did not look because the consumer still
+            held fetched records in its buffers.
     """
 
     commits: int = 0
     commit_failures: int = 0
+    gap_reads: int = 0
+    gap_records: int = 0
+    sweep_skips: int = 0
 
 
 class Delivery:
@@ -152,31 +163,45 @@ class Delivery:
             an event of its own — followed by this one.
         """
         self._last_admit_at = time.monotonic()
-        if self._assigned is not None and (topic, partition) not in self._assigned:
+        tp = (topic, partition)
+        if self._assigned is not None and tp not in self._assigned:
             # Fetched before its partition was revoked and delivered late: its new owner
             # processes it. Tracking it here would leave stale state behind.
             return []
-        async with self._lock_for((topic, partition)):
-            decision, epoch = await self.tracker.on_read(topic, partition, offset)
+        lock = self._tp_locks.get(tp)
+        if lock is None or not lock.locked():
+            # The common case, decided without waiting: the partition's next record.
+            state = self.tracker.try_accept(tp, offset)
+            if state is not None:
+                return [self._message(state, topic, partition, offset, key, value, event)]
+        async with self._lock_for(tp):
+            decision, _ = await self.tracker.on_read(topic, partition, offset)
             if decision == "drop":
                 return []
             admitted: list[SourceMessage] = []
             if decision == "gap":
                 admitted += await self._read_gap(topic, partition, offset)
-                decision, epoch = await self.tracker.on_read(topic, partition, offset)
-            if decision == "accept":
-                admitted.append(self._message(topic, partition, offset, key, value, epoch, event))
+                decision, _ = await self.tracker.on_read(topic, partition, offset)
+            state = self.tracker.state(tp)
+            if decision == "accept" and state is not None:
+                admitted.append(
+                    self._message(state, topic, partition, offset, key, value, event)
+                )
             return admitted
 
+    @staticmethod
     def _message(
-        self, topic: str, partition: int, offset: int, key: bytes | None, value: bytes | None,
-        epoch: int, event: Any = None,
+        state: PartitionState, topic: str, partition: int, offset: int, key: bytes | None,
+        value: bytes | None, event: Any = None,
     ) -> SourceMessage:
-        """The one place a :class:`SourceMessage` is built for an admitted record."""
-        tracker = self.tracker
+        """The one place a :class:`SourceMessage` is built for an admitted record.
+
+        Its ``ack`` goes straight to the partition's state of this assignment: after a
+        revocation that state is dropped, so a late ack cannot move a newer commit.
+        """
         return SourceMessage(
             key=key, value=value, topic=topic, partition=partition, offset=offset,
-            ack=lambda: tracker.done(topic, partition, offset, epoch),
+            ack=functools.partial(state.finish, offset),
             event=event if event is not None else StandInEvent(topic, partition, key, offset),
         )
 
@@ -188,12 +213,15 @@ class Delivery:
         admitted = []
         for o, k, v in missing:
             self.tracker.skip_to(topic, partition, o)  # only moves past deleted records
-            decision, epoch = await self.tracker.on_read(topic, partition, o)
-            if decision == "accept":
-                admitted.append(self._message(topic, partition, o, k, v, epoch))
+            decision, _ = await self.tracker.on_read(topic, partition, o)
+            current = self.tracker.state((topic, partition))
+            if decision == "accept" and current is not None:
+                admitted.append(self._message(current, topic, partition, o, k, v))
         state = self.tracker.state((topic, partition))
         if state is not None and state.next_offset < end:
             self.tracker.skip_to(topic, partition, end)
+        self.stats.gap_reads += 1
+        self.stats.gap_records += len(admitted)
         return admitted
 
     def _lock_for(self, tp: TP) -> asyncio.Lock:
@@ -208,9 +236,12 @@ class Delivery:
         """Find records the consumer skipped at the *end* of a partition, where no later record
         arrives to reveal the gap, and process them.
 
-        Only when no record was admitted for ``gap_idle_s`` and the pipeline is not applying
-        backpressure: then nothing is waiting in Faust's buffers, and a consumer position beyond
-        the next expected offset means skipped records.
+        Only when no record was admitted for ``gap_idle_s``, the pipeline is not applying
+        backpressure, and the consumer says it holds no fetched record of the partition in its
+        buffers (:meth:`Consumer.settled_position`): with a backlog the consumer's position runs
+        thousands of records ahead of what the agent was handed, and reading those directly
+        would read them twice (they were processed once: the second copy is dropped as already
+        read, but the direct read costs a consumer and holds up the partition).
 
         Returns:
             How many records were recovered.
@@ -224,8 +255,9 @@ class Delivery:
             return 0
         recovered = 0
         for tp in sorted(self._assigned):
-            position = await self.consumer.position(*tp)
+            position = await self.consumer.settled_position(*tp)
             if position is None:
+                self.stats.sweep_skips += 1
                 continue
             async with self._lock_for(tp):
                 if tp not in self._assigned:  # revoked meanwhile
@@ -238,7 +270,6 @@ class Delivery:
                     "skipped records so that none is lost", tp[0], tp[1], position,
                     state.next_offset,
                 )
-                self.tracker.gaps_total += 1
                 admitted = await self._read_gap(tp[0], tp[1], position)
                 for message in admitted:
                     await self._process(message)

@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
+import faust
 from faust.streams import _current_event
 from faust.types import TP
 
@@ -25,8 +26,11 @@ __all__ = [
     "commit_offsets",
     "committed_or_earliest",
     "event_context",
+    "make_worker",
     "partition_lag",
+    "producer_buffer_stalled",
     "set_fetch_max_wait",
+    "set_producer_buffer_max",
 ]
 
 
@@ -95,6 +99,64 @@ def set_fetch_max_wait(app: Any, ms: float) -> bool:
     return True
 
 
+def set_producer_buffer_max(app: Any, messages: int) -> bool:
+    """Let Faust's producer buffer hold ``messages`` records before it stalls the consumer, and
+    count the stalls (see :func:`producer_buffer_stalled`).
+
+    Table writes reach the changelog through Faust's producer buffer, and Faust's conductor
+    checks before handing *every* record to an agent whether that buffer holds more than
+    ``ProducerBuffer.max_messages`` (a class constant, 100, with no setting); if so it logs
+    "producer buffer full" and waits until that many records were sent. One batch's table flush
+    writes a stats row and window buckets for each device it touched (more than 100 records for
+    a batch of 32), so with 100 nearly every batch stalled the consumer. The buffer drains at
+    the producer's pace; our own backpressure (``max_inflight_batches``) bounds how much a
+    worker writes per batch.
+
+    Returns:
+        True when the producer's buffer existed and was changed.
+    """
+    buffer = getattr(getattr(app, "producer", None), "buffer", None)
+    if buffer is None or not hasattr(buffer, "max_messages"):
+        return False
+    buffer.max_messages = int(messages)
+    if not hasattr(buffer, "streamapp_flushing"):
+        # Faust's wait_until_ebb calls self.flush_atmost: an instance attribute is found first.
+        flush_atmost = buffer.flush_atmost
+
+        async def counted_flush_atmost(max_messages: int | None) -> int:
+            buffer.streamapp_flushing += 1
+            try:
+                flushed: int = await flush_atmost(max_messages)
+                return flushed
+            finally:
+                buffer.streamapp_flushing -= 1
+
+        buffer.streamapp_flushing = 0
+        buffer.flush_atmost = counted_flush_atmost
+    return True
+
+
+def producer_buffer_stalled(app: Any) -> bool:
+    """Whether Faust's producer buffer is over its limit or being flushed (the conductor then
+    holds the record it was about to hand to an agent, and the rest of its fetched batch)."""
+    buffer = app.producer.buffer
+    return bool(buffer.size > buffer.max_messages or getattr(buffer, "streamapp_flushing", 0))
+
+
+def make_worker(app: Any, loglevel: str) -> faust.Worker:
+    """A ``faust.Worker`` for ``app`` without Faust's terminal spinner.
+
+    With a log level of warning or above, Faust's worker keeps a progress spinner that it feeds
+    from logging: it sets the *root logger* to DEBUG and adds a DEBUG handler, so every
+    ``log.debug`` of aiokafka, Faust and ours builds a log record (py-spy showed
+    ``Logger.makeRecord`` under the producer's send path) that no handler prints. Without the
+    spinner the root logger stays at ``loglevel``.
+    """
+    worker = faust.Worker(app, loglevel=loglevel)
+    worker.spinner = None
+    return worker
+
+
 class _StandInMessage:
     __slots__ = ("key", "offset", "partition", "topic")
 
@@ -136,9 +198,30 @@ class FaustConsumer:
     async def commit(self, offsets: Mapping[tuple[str, int], int]) -> bool:
         return await commit_offsets(self.app, offsets)
 
-    async def position(self, topic: str, partition: int) -> int | None:
+    async def settled_position(self, topic: str, partition: int) -> int | None:
+        if self._may_hold_records(topic):
+            return None
         position = await self.app.consumer.position(TP(topic, partition))
         return None if position is None else int(position)
+
+    def _may_hold_records(self, topic: str) -> bool:
+        """Whether Faust may hold records of ``topic`` it fetched but has not handed to the
+        agent: while rebalancing, recovering tables (it seeks back afterwards), stopping, with
+        its flow suspended, while its conductor waits for the producer buffer (it then holds a
+        fetched batch), or while the topic's stream buffers are not empty."""
+        app = self.app
+        if app.rebalancing or app.in_recovery or app.should_stop:
+            return True
+        if not app.flow_control.is_active():
+            return True
+        if producer_buffer_stalled(app):
+            return True
+        # The conductor's index of the channels (agents' stream buffers) of each topic; Faust
+        # has no public call for it.
+        channels = getattr(app.topics, "_topic_name_index", None)
+        if channels is None:
+            return True  # cannot tell: never read what may still arrive
+        return any(not channel.queue.empty() for channel in channels.get(topic, ()))
 
     async def read_range(
         self, topic: str, partition: int, start: int, end: int

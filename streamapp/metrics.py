@@ -110,6 +110,23 @@ METRIC_FAMILIES: tuple[tuple[str, str, str, str], ...] = (
      "GPU memory in use (Triton: `nv_gpu_memory_used_bytes`); absent without NVML."),
     ("streamapp_gpu_memory_total_bytes", "gauge", "gpu, name",
      "GPU memory in total (Triton: `nv_gpu_memory_total_bytes`); absent without NVML."),
+    *(
+        # -- delivery (streamapp.delivery, streamapp.agents.pipeline) --
+        ("streamapp_gap_reads_total", "counter", "",
+         "Times records the consumer skipped were read directly from the broker (at admission "
+         "or by the idle sweep); 0 in normal operation."),
+        ("streamapp_gap_records_total", "counter", "",
+         "Records those gap reads handed to the pipeline."),
+        ("streamapp_commits_total", "counter", "",
+         "Offset commits of the source topics the broker accepted."),
+        ("streamapp_commit_failures_total", "counter", "",
+         "Offset commits that failed (retried at the next interval)."),
+        ("streamapp_produce_failures_total", "counter", "",
+         "Outcomes the producer failed to deliver (the request stays uncommitted and is "
+         "processed again)."),
+        ("streamapp_bisections_total", "counter", "",
+         "Failed batches split in halves to isolate the failing request(s)."),
+    ),
 )
 
 
@@ -192,6 +209,20 @@ class WorkerGauges:
     table_flushes: int = 0
     table_rows_written: int = 0
     table_buckets_expired: int = 0
+    #: Delivery counters: ``gap_reads``, ``gap_records``, ``commits``, ``commit_failures``,
+    #: ``produce_failures``, ``bisections`` (see :data:`DELIVERY_COUNTERS`).
+    delivery: dict[str, int] = field(default_factory=dict)
+
+
+#: ``(key in WorkerGauges.delivery, family name without _total, help)`` of the delivery counters.
+DELIVERY_COUNTERS: tuple[tuple[str, str, str], ...] = (
+    ("gap_reads", "streamapp_gap_reads", "Gap reads from the broker."),
+    ("gap_records", "streamapp_gap_records", "Records handed out by gap reads."),
+    ("commits", "streamapp_commits", "Offset commits accepted."),
+    ("commit_failures", "streamapp_commit_failures", "Offset commits failed."),
+    ("produce_failures", "streamapp_produce_failures", "Outcomes not delivered."),
+    ("bisections", "streamapp_bisections", "Failed batches bisected."),
+)
 
 
 class _GaugeCollector(Collector):
@@ -233,6 +264,8 @@ class _GaugeCollector(Collector):
              "Window buckets expired."),
         ):
             yield CounterMetricFamily(name, text, value=value)
+        for key, name, text in DELIVERY_COUNTERS:
+            yield CounterMetricFamily(name, text, value=g.delivery.get(key, 0))
         samples = self._metrics.gpu.sample() if self._metrics.gpu is not None else []
         if samples:
             util = GaugeMetricFamily("streamapp_gpu_utilization_ratio", "GPU utilisation 0-1.",

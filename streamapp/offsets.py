@@ -20,6 +20,10 @@ the partition was assigned) and the offsets read but not yet finished:
   broker, and :meth:`OffsetTracker.committable` returns, per partition, the offset after the
   longest finished prefix — the only offset that is safe to commit.
 
+Every call costs O(1) per record (amortised): a partition keeps the offset after its finished
+prefix (a low-water mark) and the set of offsets finished above it; the mark moves over that set
+as the records before them finish.
+
 State is per assignment *epoch*: when a partition is revoked its state is dropped and late
 ``done`` calls from the old epoch are ignored, so they can never move a newer commit.
 """
@@ -27,7 +31,6 @@ State is per assignment *epoch*: when a partition is revoked its state is droppe
 from __future__ import annotations
 
 import logging
-from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -42,23 +45,67 @@ TP = tuple[str, int]
 Decision = Literal["accept", "drop", "gap"]
 
 
-@dataclass
+@dataclass(slots=True)
 class PartitionState:
     """Bookkeeping of one assigned partition.
 
     Attributes:
         epoch: Assignment epoch; ``done`` calls carrying another epoch are ignored.
         next_offset: The offset the next accepted record must have.
-        pending: ``[offset, finished]`` for records read and not yet committed, in offset order.
         committed: Last offset committed (the next offset to read after a restart).
+        low: The offset after the longest finished prefix: every record below it is finished
+            or no longer exists (``committed <= low <= next_offset``).
+        finished: Offsets finished above ``low`` (outcomes acknowledged out of read order).
+        missing: ``start -> end`` of offset ranges at or above ``low`` that no longer exist on
+            the broker (given up by :meth:`OffsetTracker.skip_to`); ``low`` jumps over them.
+        unfinished: Records accepted and not yet finished.
     """
 
     epoch: int
     next_offset: int
     committed: int
-    pending: deque[list[int | bool]] = field(default_factory=deque)
+    low: int = 0
+    finished: set[int] = field(default_factory=set)
+    missing: dict[int, int] = field(default_factory=dict)
+    unfinished: int = 0
     gaps: int = 0
     dropped: int = 0
+
+    def accept(self, offset: int) -> None:
+        """Take ``offset`` (== :attr:`next_offset`) as read and not yet finished."""
+        self.next_offset = offset + 1
+        self.unfinished += 1
+
+    def finish(self, offset: int) -> None:
+        """Mark an accepted record finished (a second call for the same offset is ignored)."""
+        if offset < self.low or offset >= self.next_offset or offset in self.finished:
+            return
+        self.unfinished -= 1
+        if offset != self.low:
+            self.finished.add(offset)
+            return
+        self.low = offset + 1
+        self._advance()
+
+    def give_up_to(self, offset: int) -> None:
+        """Records from :attr:`next_offset` up to ``offset`` no longer exist: move past them."""
+        if self.low == self.next_offset:
+            self.low = offset
+        else:
+            self.missing[self.next_offset] = offset
+        self.next_offset = offset
+
+    def _advance(self) -> None:
+        low, finished, missing = self.low, self.finished, self.missing
+        while True:
+            if low in finished:
+                finished.discard(low)
+                low += 1
+            elif low in missing:
+                low = missing.pop(low)
+            else:
+                break
+        self.low = low
 
 
 class OffsetTracker:
@@ -89,7 +136,9 @@ class OffsetTracker:
             state = self._parts.get(tp)  # another caller may have raced us here
             if state is None:
                 self._epochs += 1
-                state = PartitionState(epoch=self._epochs, next_offset=start, committed=start)
+                state = PartitionState(
+                    epoch=self._epochs, next_offset=start, committed=start, low=start
+                )
                 self._parts[tp] = state
                 log.info("%s[%d] assigned: reading from offset %d", topic, partition, start)
         return state
@@ -105,8 +154,7 @@ class OffsetTracker:
         """
         state = await self.ensure(topic, partition)
         if offset == state.next_offset:
-            state.pending.append([offset, False])
-            state.next_offset = offset + 1
+            state.accept(offset)
             return "accept", state.epoch
         if offset < state.next_offset:
             state.dropped += 1
@@ -130,31 +178,26 @@ class OffsetTracker:
                 "%s[%d]: records %d..%d no longer exist on the broker (retention); they cannot "
                 "be answered", topic, partition, state.next_offset, offset - 1,
             )
-            state.next_offset = offset
+            state.give_up_to(offset)
+
+    def try_accept(self, tp: TP, offset: int) -> PartitionState | None:
+        """Accept ``offset`` without waiting when it is exactly the partition's next offset (the
+        common case); None when :meth:`on_read` must decide (unknown partition, gap, repeat)."""
+        state = self._parts.get(tp)
+        if state is None or offset != state.next_offset:
+            return None
+        state.accept(offset)
+        return state
 
     def done(self, topic: str, partition: int, offset: int, epoch: int) -> None:
         """Mark a record finished (its outcome is on the broker). Ignores other epochs."""
         state = self._parts.get((topic, partition))
-        if state is None or state.epoch != epoch:
-            return
-        pending = state.pending
-        # Outcomes are produced in read order, so the record is almost always near the front.
-        for entry in pending:
-            if entry[0] == offset:
-                entry[1] = True
-                break
+        if state is not None and state.epoch == epoch:
+            state.finish(offset)
 
     def committable(self) -> dict[TP, int]:
         """Per partition with progress: the offset after its longest finished prefix."""
-        out = {}
-        for tp, state in self._parts.items():
-            pending = state.pending
-            while pending and pending[0][1]:
-                pending.popleft()
-            upto = int(pending[0][0]) if pending else state.next_offset
-            if upto > state.committed:
-                out[tp] = upto
-        return out
+        return {tp: s.low for tp, s in self._parts.items() if s.low > s.committed}
 
     def mark_committed(self, offsets: dict[TP, int]) -> None:
         """Record offsets the broker accepted as committed."""
@@ -173,4 +216,4 @@ class OffsetTracker:
 
     def in_flight(self) -> int:
         """Records read and not yet finished, all partitions."""
-        return sum(sum(1 for e in s.pending if not e[1]) for s in self._parts.values())
+        return sum(s.unfinished for s in self._parts.values())

@@ -91,6 +91,19 @@ class WorkerState:
         gauges.table_flushes = stats.flushes
         gauges.table_rows_written = stats.rows_written
         gauges.table_buckets_expired = stats.buckets_expired
+        delivery = self.runtime.delivery.stats
+        produced = pipeline.stats if pipeline is not None else None
+        gauges.delivery = {
+            "gap_reads": delivery.gap_reads,
+            "gap_records": delivery.gap_records,
+            "commits": delivery.commits,
+            "commit_failures": delivery.commit_failures,
+            # pipeline counters restart with the pipeline; keep the highest seen
+            "produce_failures": max(gauges.delivery.get("produce_failures", 0),
+                                    produced.produce_failures if produced else 0),
+            "bisections": max(gauges.delivery.get("bisections", 0),
+                              produced.bisections if produced else 0),
+        }
         gauges.lag, gauges.highwater, gauges.assigned = await partition_lag(
             self.app, (self.settings.request_topic, self.settings.retry_topic)
         )

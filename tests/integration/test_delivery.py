@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+import urllib.request
 from collections import Counter
 from pathlib import Path
 
@@ -166,3 +167,44 @@ async def test_a_worker_joining_and_leaving_during_traffic_loses_nothing(
     print(f"\nrebalances x4: sent {total}, lost {len(lost)}, duplicates {duplicates}")
     assert lost == set(), f"lost {len(lost)}: {sorted(lost)[:10]}"
     assert _first_delivery_order_violations(out) == 0
+
+
+def _metric(worker: WorkerProcess, name: str) -> float:
+    """The value of an unlabelled sample of the worker's ``/metrics``."""
+    with urllib.request.urlopen(worker.web_url + "/metrics", timeout=5) as response:
+        text = response.read().decode()
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not in /metrics:\n{text[:2000]}")
+
+
+async def test_a_backlog_larger_than_fausts_buffers_is_read_once(
+    kafka_broker: EmbeddedBroker, delivery_settings: Settings, tmp_path: Path
+) -> None:
+    """With a backlog the consumer's position runs far ahead of what Faust has handed to the
+    agent; the gap sweeper must not take the records waiting in Faust's buffers for skipped
+    ones (it read them a second time, directly from the broker)."""
+    settings = delivery_settings
+    bootstrap = kafka_broker.bootstrap_servers
+    images, _ = load_digits_frames()
+    total = 4_000  # the stream buffers hold 64 here; one fetch returns up to 1 MiB a partition
+    requests = digits_requests(images, devices=32, indices=[i % len(images)
+                                                             for i in range(total)])
+    ids = {r.request_id for _, r in requests}
+    await publish(bootstrap, settings.request_topic, requests, codec="msgpack")
+    worker = _worker(settings, tmp_path, "w")
+    # small stream buffers: the backlog is many times what Faust holds for the agent
+    worker.settings["stream_buffer_maxsize"] = 64
+    with worker:
+        worker.wait_ready()
+        out = await collect_outcomes(
+            bootstrap, settings.result_topic, settings.dlq_topic,
+            done=lambda o: ids <= _answered(o), timeout_s=300,
+        )
+        gap_reads = _metric(worker, "streamapp_gap_reads_total")
+        gap_records = _metric(worker, "streamapp_gap_records_total")
+    assert ids - _answered(out) == set()
+    assert Counter(r["request_id"] for r in out.results).most_common(1)[0][1] == 1
+    assert out.dead_letters == []
+    assert (gap_reads, gap_records) == (0, 0)

@@ -31,7 +31,7 @@ class FakeConsumer:
         self.commits.append(dict(offsets))
         return True
 
-    async def position(self, topic: str, partition: int) -> int | None:
+    async def settled_position(self, topic: str, partition: int) -> int | None:
         return self.at
 
     async def read_range(self, topic: str, partition: int, start: int, end: int) -> list[Record]:

@@ -54,3 +54,41 @@ async def test_late_acks_from_a_revoked_assignment_cannot_move_a_newer_commit() 
     assert t.committable() == {}
     t.done(T, 0, 100, new_epoch)
     assert t.committable() == {(T, 0): 101}
+
+
+async def test_records_that_no_longer_exist_are_passed_once_the_records_before_finish() -> None:
+    t = tracker(100)
+    _, epoch = await t.on_read(T, 0, 100)
+    t.skip_to(T, 0, 105)  # 101..104 were deleted by retention
+    assert (await t.on_read(T, 0, 105))[0] == "accept"
+    t.done(T, 0, 105, epoch)
+    assert t.committable() == {}  # 100 is still running
+    assert t.in_flight() == 1
+    t.done(T, 0, 100, epoch)
+    assert t.committable() == {(T, 0): 106}
+    assert t.in_flight() == 0
+
+
+async def test_a_second_ack_of_the_same_record_changes_nothing() -> None:
+    t = tracker(0)
+    epochs = [(await t.on_read(T, 0, o))[1] for o in range(3)]
+    t.done(T, 0, 1, epochs[1])
+    t.done(T, 0, 1, epochs[1])
+    assert t.in_flight() == 2
+    t.done(T, 0, 0, epochs[0])
+    assert t.committable() == {(T, 0): 2}
+    t.done(T, 0, 0, epochs[0])  # late duplicate below the finished prefix
+    assert t.in_flight() == 1 and t.committable() == {(T, 0): 2}
+
+
+async def test_many_out_of_order_acks_commit_exactly_the_finished_prefix() -> None:
+    t = tracker(0)
+    n = 10_000
+    epoch = 0
+    for o in range(n):
+        epoch = (await t.on_read(T, 0, o))[1]
+    for o in range(n - 1, 0, -1):  # every record but the first finishes, newest first
+        t.done(T, 0, o, epoch)
+    assert t.committable() == {} and t.in_flight() == 1
+    t.done(T, 0, 0, epoch)
+    assert t.committable() == {(T, 0): n} and t.in_flight() == 0

@@ -1,0 +1,76 @@
+"""FaustConsumer.settled_position: no position while Faust may still hold fetched records."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+from streamapp.faust_compat import (
+    FaustConsumer,
+    producer_buffer_stalled,
+    set_producer_buffer_max,
+)
+from streamapp.settings import Settings
+
+T = "requests"
+
+
+class _Flow:
+    def __init__(self) -> None:
+        self.active = True
+
+    def is_active(self) -> bool:
+        return self.active
+
+
+class _Consumer:
+    async def position(self, tp: Any) -> int:
+        return 42
+
+
+def _app() -> Any:
+    channel = SimpleNamespace(queue=asyncio.Queue())
+    buffer = SimpleNamespace(size=0, max_messages=100)
+    return SimpleNamespace(
+        rebalancing=False, in_recovery=False, should_stop=False, flow_control=_Flow(),
+        producer=SimpleNamespace(buffer=buffer), topics=SimpleNamespace(
+            _topic_name_index={T: [channel]}), consumer=_Consumer(), channel=channel,
+    )
+
+
+async def test_the_position_is_given_only_when_faust_holds_no_fetched_record() -> None:
+    app = _app()
+    consumer = FaustConsumer(app, Settings())
+    assert await consumer.settled_position(T, 0) == 42
+    app.channel.queue.put_nowait("event")  # the agent has not taken it yet
+    assert await consumer.settled_position(T, 0) is None
+    app.channel.queue.get_nowait()
+    app.producer.buffer.size = 101  # the conductor waits for the producer buffer
+    assert await consumer.settled_position(T, 0) is None
+    app.producer.buffer.size = 0
+    app.producer.buffer.streamapp_flushing = 1  # ... and keeps waiting while it flushes
+    assert await consumer.settled_position(T, 0) is None
+    app.producer.buffer.streamapp_flushing = 0
+    app.flow_control.active = False  # rebalance: flow suspended
+    assert await consumer.settled_position(T, 0) is None
+    app.flow_control.active = True
+    app.in_recovery = True  # tables recovering: Faust seeks back to the committed offset
+    assert await consumer.settled_position(T, 0) is None
+
+
+async def test_the_producer_buffer_limit_is_set_and_its_flushes_are_seen() -> None:
+    app = _app()
+    seen = []
+
+    async def flush_atmost(n: int | None) -> int:
+        seen.append((n, producer_buffer_stalled(app)))
+        return 0
+
+    app.producer.buffer.flush_atmost = flush_atmost
+    assert set_producer_buffer_max(app, 2048)
+    assert app.producer.buffer.max_messages == 2048
+    assert not producer_buffer_stalled(app)
+    await app.producer.buffer.flush_atmost(2048)  # as Faust's wait_until_ebb calls it
+    assert seen == [(2048, True)] and not producer_buffer_stalled(app)
+    assert not set_producer_buffer_max(SimpleNamespace(producer=None), 2048)
