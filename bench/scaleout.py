@@ -42,8 +42,10 @@ import psutil
 from bench import load
 from bench.procs import Sampler, fresh_broker, topic_names
 from bench.workloads import Workload, result_parse, workload
-from streamapp.broker import EmbeddedBroker, create_topics
-from streamapp.process import WorkerProcess, free_port
+from streamapp.broker import EmbeddedBroker
+from streamapp.children import free_port
+from streamapp.kafka import create_topics
+from streamapp.process import WorkerProcess
 
 __all__ = ["LAUNCHERS", "SCALE_PROFILES", "ScalePlan", "ScaleProfile", "launch_workers",
            "limiting", "run_scaleout", "summarize_series"]
