@@ -1,11 +1,12 @@
 """Where the worker's event loop spends its time on image requests (py-spy), on this machine.
 
 Starts a fresh embedded broker and one ``streamapp worker`` (ONNX Runtime on the CPU), keeps a
-closed loop of image requests outstanding (``bench.workloads``: ``digits-image``, 256×256
-grey PNGs, by default; ``resnet50-image`` is engine-bound on a small CPU machine), records the worker with ``py-spy --threads`` for ``--seconds``,
-and prints one JSON object: results/s, the event-loop thread's busy share, the share of its
-samples inside image decoding (Pillow, ``ImageConfig.to_array``), and the busy shares of the
-other threads (``image-decode_*`` is the decode pool).
+closed loop of image requests outstanding (``bench.workloads``: ``digits-image``, 256×256 grey
+PNGs, by default; ``resnet50-image`` is engine-bound on a small CPU machine), records the worker
+with ``py-spy --threads`` for ``--seconds``, and prints one JSON object: results/s, the
+event-loop thread's busy share, the share of its samples inside image decoding (Pillow,
+``ImageConfig.to_array``), and the busy shares of the other threads (``image-decode_*`` is the
+decode pool).
 
 Run it on two trees to compare (``PYTHONPATH=<other tree> python scripts/profile_images.py``).
 """

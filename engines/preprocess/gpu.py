@@ -167,6 +167,11 @@ class GpuImageWriter:
         if not frames:
             return
         decoded = self.decode([f for _, f in frames])
+        stream = torch.cuda.current_stream(self.device)
+        for pixels in decoded:
+            # Allocated by torchvision's decoder on its own stream and read on ours: keep the
+            # caching allocator from handing the memory out again before our stream is done.
+            pixels.record_stream(stream)
         groups: dict[tuple[tuple[int, ...], int], list[int]] = {}
         for i, ((_, frame), pixels) in enumerate(zip(frames, decoded, strict=True)):
             groups.setdefault((tuple(pixels.shape), frame.info.orientation), []).append(i)
