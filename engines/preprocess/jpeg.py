@@ -1,10 +1,11 @@
 """What a JPEG's header says, read without decoding a pixel (pure Python, no Pillow).
 
-Used to route each camera frame: nvJPEG (through ``torchvision.io.decode_jpeg`` on CUDA) decodes
-8-bit Huffman-coded baseline, extended and progressive JPEGs with one (grey) or three (YCbCr)
-components; everything else — CMYK/YCCK (4 components), 12-bit, lossless or arithmetic-coded
-JPEGs, Adobe RGB-transform files, truncated files — goes to the CPU path (Pillow), which either
-decodes it or gives the request a clear dead-letter reason. Marker codes: ITU-T T.81 (JPEG),
+Used to route each camera frame: nvJPEG (through ``torchvision.io.decode_jpeg`` on CUDA) gets
+8-bit baseline JPEGs with one (grey) or three (YCbCr) components — what cameras send, and what
+was checked against the CPU path on the H200 (docs/images.md); everything else — progressive
+and extended JPEGs (nvJPEG may decode them, not yet checked here), CMYK/YCCK (4 components),
+12-bit, lossless or arithmetic-coded JPEGs, Adobe RGB-transform files, truncated files — goes to
+the CPU path (Pillow), which either decodes it or gives the request a clear dead-letter reason. Marker codes: ITU-T T.81 (JPEG),
 Table B.1; EXIF orientation: CIPA DC-008 (EXIF 2.3), tag 0x0112.
 """
 
@@ -19,8 +20,8 @@ __all__ = ["ORIENTATION_OPS", "JpegInfo", "inspect_jpeg"]
 #: True; the rest are legal but rare and go to the CPU.
 _SOF = {
     0xC0: ("baseline", True),
-    0xC1: ("extended", True),
-    0xC2: ("progressive", True),
+    0xC1: ("extended", False),
+    0xC2: ("progressive", False),
     0xC3: ("lossless", False),
     0xC5: ("differential-sequential", False),
     0xC6: ("differential-progressive", False),

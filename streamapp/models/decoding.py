@@ -28,9 +28,12 @@ log = logging.getLogger(__name__)
 
 
 def default_decode_threads() -> int:
-    """One thread per CPU core this process may use, at most 8 (Pillow decoding a 640×480 JPEG
-    and resizing it takes about 5 ms of one core, measured on the H200 host: 8 threads give
-    about 1,500 images/s, more than one worker's event loop produces)."""
+    """One thread per CPU core this process may use, at most 8.
+
+    Pillow decodes and resizes a 640×480 JPEG to 224×224 at 278 images/s on one core of the
+    H200 host, and at only 597 images/s with 16 threads (``scripts/gpu_image_ceiling.py``,
+    2026-11-30): the parts that hold the GIL limit scaling, so more threads buy little; more
+    worker processes, or the GPU path, do."""
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):

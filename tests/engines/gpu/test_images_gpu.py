@@ -37,9 +37,14 @@ ROOT = Path(__file__).resolve().parents[3]
 RESNET = ROOT / "models-perf" / "resnet50.onnx"
 
 #: Stated tolerances of the CPU-vs-GPU agreement (ResNet-50, fp32 engine): the share of frames
-#: with the same top-1 label, and the largest difference of a softmax score.
+#: with the same top-1 label, the largest difference of a softmax score, and the mean absolute
+#: difference of the pre-processed tensors (normalized units; one pixel level is about 0.017).
+#: The benchmark's ResNet-50 has random weights and gives most photos the same top-1 label
+#: (all 105 on the H200 run of 2026-11-30), so top-1 agreement alone says little there: the
+#: score and tensor bounds, and the digits test (a trained model), carry the check.
 MIN_TOP1_AGREEMENT = 0.95
 MAX_SCORE_DIFF = 0.05
+MAX_TENSOR_MEAN_DIFF = 0.02
 
 
 def _frames() -> list[tuple[str, bytes]]:
@@ -129,6 +134,7 @@ def test_resnet50_cpu_and_gpu_paths_agree(
     })
     assert same.mean() >= MIN_TOP1_AGREEMENT
     assert score_diff.max() <= MAX_SCORE_DIFF
+    assert diff.mean() <= MAX_TENSOR_MEAN_DIFF
 
 
 def test_digits_labels_on_the_gpu_match_the_cpu_path_in_every_orientation(
