@@ -5,8 +5,9 @@ Used to route each camera frame: nvJPEG (through ``torchvision.io.decode_jpeg`` 
 was checked against the CPU path on the H200 (docs/images.md); everything else — progressive
 and extended JPEGs (nvJPEG may decode them, not yet checked here), CMYK/YCCK (4 components),
 12-bit, lossless or arithmetic-coded JPEGs, Adobe RGB-transform files, truncated files — goes to
-the CPU path (Pillow), which either decodes it or gives the request a clear dead-letter reason. Marker codes: ITU-T T.81 (JPEG),
-Table B.1; EXIF orientation: CIPA DC-008 (EXIF 2.3), tag 0x0112.
+the CPU path (Pillow), which either decodes it or gives the request a clear dead-letter
+reason. Marker codes: ITU-T T.81 (JPEG), Table B.1; EXIF orientation: CIPA DC-008 (EXIF 2.3),
+tag 0x0112.
 """
 
 from __future__ import annotations
