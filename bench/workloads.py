@@ -32,7 +32,8 @@ class Workload:
     """A request stream for one model.
 
     Attributes:
-        name: ``digits``, ``resnet50-image`` or ``resnet50-tensor``.
+        name: ``digits``, ``digits-image``, ``resnet50-image``, ``resnet50-jpeg`` or
+            ``resnet50-tensor``.
         model: Model name in the worker's repository.
         models_dir: The repository (None: the bundled one).
         payload: ``(n, ts) -> (key, value)``.
@@ -88,6 +89,38 @@ def sample_jpegs(quality: int = 90) -> list[bytes]:
     return out
 
 
+@cache
+def camera_jpegs(size: tuple[int, int] = (640, 480), quality: int = 90) -> list[bytes]:
+    """The same photos as camera frames: resized to ``size`` (bicubic), JPEG ``quality``."""
+    from PIL import Image
+
+    out = []
+    for data in sample_jpegs():
+        buf = io.BytesIO()
+        photo = Image.open(io.BytesIO(data)).convert("RGB")
+        photo.resize(size, Image.Resampling.BICUBIC).save(buf, "JPEG", quality=quality)
+        out.append(buf.getvalue())
+    return out
+
+
+def _digits_images(side: int = 256) -> list[dict[str, Any]]:
+    """Digits as a camera would see them: ``side``×``side`` 8-bit grey PNGs (nearest-upscaled
+    from the 8×8 data; the model area-averages them back)."""
+    from PIL import Image
+
+    from streamapp.client import load_digits_frames
+
+    images, _ = load_digits_frames()
+    out = []
+    for im in images[:256]:
+        pixels = np.rint(im.astype(np.float32) * 255 / 16).astype(np.uint8)
+        buf = io.BytesIO()
+        Image.fromarray(pixels, "L").resize((side, side), Image.Resampling.NEAREST).save(
+            buf, "PNG")
+        out.append({"image": buf.getvalue()})
+    return out
+
+
 def workload(name: str, *, run: str, models_dir: Path | None = None,
              tensor_dtype: str = "float16", devices: int = DEVICES) -> Workload:
     """Build a workload; ``run`` prefixes request ids; requests cycle over ``devices`` keys."""
@@ -95,6 +128,16 @@ def workload(name: str, *, run: str, models_dir: Path | None = None,
         inputs = _digits_inputs()
         return _make(name, "digits", None, inputs, run,
                      "scikit-learn digits, uint8[8, 8] tensors, msgpack", devices)
+    if name == "digits-image":
+        return _make(name, "digits", None, _digits_images(), run,
+                     "scikit-learn digits as 256x256 grey PNGs, decoded in the worker, msgpack",
+                     devices)
+    if name == "resnet50-jpeg":
+        jpegs = camera_jpegs()
+        return _make(name, "resnet50", models_dir, [{"image": j} for j in jpegs], run,
+                     f"the photos as 640x480 camera JPEGs ({min(map(len, jpegs)) // 1000}-"
+                     f"{max(map(len, jpegs)) // 1000} kB), decoded on the GPU (nvJPEG) with the "
+                     "torch backend, else in the worker's decode pool, msgpack", devices)
     if name in ("resnet50-image", "resnet50-tensor"):
         from streamapp.models import ModelRepository
 

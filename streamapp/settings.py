@@ -31,6 +31,7 @@ __all__ = [
 Codec = Literal["json", "msgpack"]
 #: An engine backend: ``auto`` or a name registered in :mod:`engines.registry`.
 Backend = str
+ImageDecode = Literal["auto", "cpu"]
 SecurityProtocol = Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]
 SaslMechanism = Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"]
 
@@ -120,6 +121,25 @@ class Settings(BaseSettings):
     )
     models_dir: Path | None = Field(
         None, description="Model repository; default: the models bundled with streamapp."
+    )
+
+    # -- Images ------------------------------------------------------------------------------------
+    image_decode_threads: int = Field(
+        0, ge=0,
+        description="Threads that decode and pre-process image requests off the event loop "
+        "(Pillow releases the GIL while it decodes and resizes). 0: one per CPU core, at most 8.",
+    )
+    image_decode: ImageDecode = Field(
+        "auto",
+        description="Where JPEG frames are decoded: 'auto' on the GPU (nvJPEG) when the engine "
+        "offers it (the torch backend with torchvision), else on the CPU; 'cpu' always on the "
+        "CPU (Pillow).",
+    )
+    max_image_pixels: int = Field(
+        16_777_216, ge=1,
+        description="Largest image accepted (width x height from its header, checked before "
+        "decoding; larger ones go to the DLQ as image_too_large). A model's metadata "
+        "image.max_pixels may lower it. Default 4096 x 4096.",
     )
     models: Annotated[tuple[str, ...], NoDecode] = Field(
         ("digits",), description="Models to load (comma-separated in the environment)."

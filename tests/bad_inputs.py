@@ -68,7 +68,7 @@ def bad_input_records(device: str = "dev-bad", now: float | None = None) -> list
         ("missing-field", "missing_field", key, js("missing-field", model=None)),
         ("no-input", "missing_field", key, js("no-input", tensor=None)),
         ("too-large", "too_large", key, js("too-large", padding="x" * (1 << 20))),
-        ("image-bomb", "too_large", key, js("image-bomb", tensor=None,
+        ("image-bomb", "image_too_large", key, js("image-bomb", tensor=None,
                                             image=base64.b64encode(bomb.getvalue()).decode())),
         ("count-mismatch", "bad_tensor", key, js("count-mismatch", tensor={
             **tensor, "data": base64.b64encode(bytes(63)).decode()})),

@@ -42,6 +42,7 @@ from engines.exceptions import (
     InputSpecError,
 )
 from engines.executor.base import Executor, Item, pack_items
+from engines.preprocess.base import StagedBatch, stage_encoded, supports_gpu_images
 
 __all__ = ["CudaExecutor", "TimelineEntry", "overlap_report"]
 
@@ -415,7 +416,11 @@ class CudaExecutor(Executor):
     def _submit_batch(self, job: _Job, items: Sequence[Item]) -> None:
         """Pool thread: pack into the slot's pinned staging, then enqueue on the lane's stream."""
         slot, lane = job.slot, job.slot.lane
+        staged: StagedBatch | None = None
         try:
+            if supports_gpu_images(self.engine):  # frames the engine decodes itself
+                staged = stage_encoded(items, self.engine.inputs)
+                items = staged.items
             for spec in self.engine.inputs:
                 pack_items(items, spec, out=slot.host_io.inputs[spec.name])
         except EngineError as exc:
@@ -427,6 +432,8 @@ class CudaExecutor(Executor):
         with lane.lock:
             try:
                 set_device(self.device)
+                if staged is not None and staged.images:
+                    lane.context.stage_images(staged.images)  # type: ignore[attr-defined]
                 enqueue_batch(
                     self.engine,
                     lane.context,

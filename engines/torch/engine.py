@@ -33,6 +33,7 @@ from engines.exceptions import (
     InputSpecError,
     OutOfMemoryError,
 )
+from engines.preprocess.base import EncodedImage, ImageSpec
 
 __all__ = ["Precision", "TorchEngine", "graph_batch_sizes", "load", "onnx_io_specs"]
 
@@ -165,6 +166,7 @@ class _TorchStreamContext(StreamContext):
         ]
         self.graphs: dict[int, Any] = {}
         self._pool: Any = None
+        self._staged: Mapping[str, Sequence[tuple[int, EncodedImage]]] = {}
         self.buckets = graph_batch_sizes(max_b)
         if engine.cuda_graphs:
             with torch.inference_mode():
@@ -191,11 +193,36 @@ class _TorchStreamContext(StreamContext):
         self._pool = graph.pool()
         return graph
 
+    def stage_images(self, images: Mapping[str, Sequence[tuple[int, EncodedImage]]]) -> None:
+        """Frames the next :meth:`enqueue` decodes into its input rows first (executor, under
+        the lane lock; see :class:`~engines.preprocess.ImageDecodingEngine`).
+
+        Raises:
+            InputSpecError: GPU decoding was not configured for one of the inputs.
+        """
+        missing = set(images) - set(self.engine.image_writers)
+        if missing:
+            raise InputSpecError(
+                f"encoded frames for input(s) {sorted(missing)}, but GPU image decoding is not "
+                "configured for them; call configure_images first"
+            )
+        self._staged = images
+
+    def _decode_staged(self) -> None:
+        staged, self._staged = self._staged, {}
+        for index, spec in enumerate(self.engine.inputs):
+            frames = staged.get(spec.name)
+            if frames:
+                self.engine.image_writers[spec.name].write(frames, self.inputs[index])
+
     def enqueue(self, batch_size: int) -> None:
         import torch
 
         try:
             with torch.cuda.stream(self.stream), torch.inference_mode():
+                if self._staged:
+                    # Same stream: after the H2D copy of the other rows, before the model.
+                    self._decode_staged()
                 if self.engine.cuda_graphs:
                     bucket = next(b for b in self.buckets if b >= batch_size)
                     graph = self.graphs.get(bucket)
@@ -211,6 +238,8 @@ class _TorchStreamContext(StreamContext):
             ) from exc
         except RuntimeError as exc:
             raise EngineRuntimeError(f"PyTorch failed on batch {batch_size}: {exc}") from exc
+        finally:
+            self._staged = {}
 
     def close(self) -> None:
         import torch
@@ -292,6 +321,8 @@ class TorchEngine(StreamEngine):
         self.module = module
         self._compute_dtype = torch.float16 if precision == "fp16" else torch.float32
         self._lock = threading.Lock()
+        #: Input name → GPU JPEG decoder (:meth:`configure_images`).
+        self.image_writers: dict[str, Any] = {}
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         self.info = EngineInfo(
             backend="torch",
@@ -341,6 +372,29 @@ class TorchEngine(StreamEngine):
                 raise OutOfMemoryError(f"CUDA out of memory: {exc}") from exc
             except RuntimeError as exc:
                 raise EngineRuntimeError(f"PyTorch failed: {exc}") from exc
+
+    def configure_images(self, input_name: str, spec: ImageSpec) -> str | None:
+        """Decode JPEG frames for ``input_name`` on the GPU per ``spec`` from now on
+        (:class:`~engines.preprocess.ImageDecodingEngine`): nvJPEG via torchvision, then
+        resize/normalize with PyTorch, on the stream of the batch, into the input buffer.
+
+        Returns:
+            None when enabled; else why not (no CUDA device, no torchvision, a resize filter
+            without a GPU implementation, an input of another size).
+        """
+        from engines.preprocess.gpu import GpuImageWriter, gpu_decoding_unavailable
+
+        if self.device.type != "cuda":
+            return "the engine runs on the CPU"
+        reason = gpu_decoding_unavailable() or spec.gpu_unsupported
+        if reason is not None:
+            return reason
+        item = self.input_spec(input_name).item_shape
+        if int(np.prod(item)) != int(np.prod(spec.array_shape)):
+            return (f"input {input_name!r} holds {list(item)}, the image declaration gives "
+                    f"{list(spec.array_shape)}")
+        self.image_writers[input_name] = GpuImageWriter(spec, self.device)
+        return None
 
     def bind_stream(self, stream: int, addresses: Mapping[str, int]) -> StreamContext:
         if self.device.type != "cuda":

@@ -21,6 +21,7 @@ can duplicate but never lose a request.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import time
@@ -35,11 +36,13 @@ from aiokafka.errors import MessageSizeTooLargeError
 from engines.base import EngineInfo
 from engines.exceptions import EngineError
 from engines.executor import Executor
+from engines.preprocess import EncodedImage
 from streamapp.agents.observer import Outcome, OutcomeKind, PipelineObserver
 from streamapp.batching import BatchInfo, Completion, MicroBatcher
 from streamapp.codecs import check_key, decode_request, encode_dead_letter, encode_result
 from streamapp.exceptions import InternalError, InvalidRequestError, StreamAppError
 from streamapp.models import ModelConfig
+from streamapp.models.decoding import ImageDecoder
 from streamapp.records import DeadLetter, InferenceRequest, InferenceResult
 from streamapp.retry import MemoryRetryStore, RetryRecord, RetryStore, backoff_s
 from streamapp.settings import Settings
@@ -109,7 +112,9 @@ class _Work:
     source: SourceMessage
     request: InferenceRequest | None = field(default=None, repr=False)
     model: LoadedModel | None = field(default=None, repr=False)
-    array: np.ndarray | None = field(default=None, repr=False)
+    array: np.ndarray | EncodedImage | None = field(default=None, repr=False)
+    #: An image being decoded off the event loop (:class:`ImageDecoder`); the batch awaits it.
+    pending: asyncio.Future[np.ndarray | EncodedImage] | None = field(default=None, repr=False)
 
     @property
     def attempt(self) -> int:
@@ -168,6 +173,14 @@ class InferencePipeline:
         self.observers = list(observers)
         self.stats = PipelineStats()
         self._emitted_in_batch: dict[str, int] = {}
+        self.images = ImageDecoder(
+            settings.image_decode_threads, max_image_pixels=settings.max_image_pixels
+        )
+        for name, model in self.models.items():
+            if settings.image_decode == "auto" and model.config.image is not None:
+                why_not = self.images.use_engine(model.config, model.executor.engine)
+                log.info("model %s: JPEG frames decoded %s", name,
+                         "on the GPU" if why_not is None else f"on the CPU ({why_not})")
         self.batcher: MicroBatcher[_Work] = MicroBatcher(
             self._run_batch,
             self._emit,
@@ -182,6 +195,7 @@ class InferencePipeline:
     async def stop(self, *, drain: bool = True) -> None:
         """Stop; with ``drain`` every record read so far is answered (and acked) first."""
         await self.batcher.stop(drain=drain)
+        self.images.close()
 
     # -- input ----------------------------------------------------------------------------------
 
@@ -196,7 +210,11 @@ class InferencePipeline:
             )
             check_key(message.key, work.request)
             work.model = self._model(work.request.model)
-            work.array = work.model.config.preprocess(work.request)
+            if work.request.tensor is None and work.request.image is not None:
+                # Never decoded on the event loop: the batch awaits the result.
+                work.pending = self.images.submit(work.model.config, work.request)
+            else:
+                work.array = work.model.config.preprocess(work.request)
         except InvalidRequestError as exc:
             await self.batcher.put_done(work, exc)
             return
@@ -229,7 +247,12 @@ class InferencePipeline:
         runnable: list[int] = []
         seen: set[str] = set()
         for i, work in enumerate(batch):
+            if work.pending is not None:
+                results[i] = await self._decoded(work)
+        for i, work in enumerate(batch):
             assert work.request is not None
+            if results[i] is not None:
+                continue
             request_id = work.request.request_id
             if request_id in seen:
                 results[i] = _ItemResult(error=InvalidRequestError(
@@ -247,9 +270,23 @@ class InferencePipeline:
         return [r if r is not None else _ItemResult(error=RuntimeError("no result"))
                 for r in results]
 
+    async def _decoded(self, work: _Work) -> _ItemResult | None:
+        """Await an image decoded off the loop; its failure as the item's result, else None."""
+        assert work.pending is not None
+        try:
+            work.array = await work.pending
+        except InvalidRequestError as exc:
+            return _ItemResult(error=exc)
+        except Exception as exc:
+            log.error("internal error while decoding %s", work.source, exc_info=exc)
+            return _ItemResult(error=InternalError(f"{type(exc).__name__}: {exc}"))
+        finally:
+            work.pending = None
+        return None
+
     async def _infer_bisect(self, model: LoadedModel, works: list[_Work]) -> list[_ItemResult]:
         config = model.config
-        items = []
+        items: list[Any] = []
         for work in works:
             assert work.array is not None
             items.append({config.input_name: work.array})

@@ -8,17 +8,17 @@ result (labels, top-k). The bundled repository holds the ``digits`` model traine
 
 from __future__ import annotations
 
-import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from PIL import Image
 
+from engines.preprocess import EncodedImage, ImageSpec
 from streamapp.codecs import tensor_to_array
 from streamapp.exceptions import ConfigError, InvalidRequestError, ModelNotFoundError
+from streamapp.models.images import DEFAULT_IMAGE_FORMATS, DEFAULT_MAX_IMAGE_PIXELS, ImageConfig
 from streamapp.records import InferenceRequest
 
 __all__ = [
@@ -32,192 +32,6 @@ __all__ = [
 
 #: The models shipped inside the package.
 BUNDLED_MODELS_DIR = Path(__file__).resolve().parent
-
-#: Largest image (width × height, from its header) decoded when a model's metadata sets no
-#: ``max_pixels``: 2048 × 2048. Pillow's own ``Image.MAX_IMAGE_PIXELS`` (decompression-bomb
-#: guard, about 89 M pixels) applies as well, whichever is smaller.
-DEFAULT_MAX_IMAGE_PIXELS = 2048 * 2048
-
-#: Image formats a model accepts unless its metadata says otherwise. Restricting Pillow to these
-#: keeps its many other decoders (some of which run external programs, e.g. EPS → Ghostscript)
-#: away from untrusted bytes.
-DEFAULT_IMAGE_FORMATS = ("PNG", "JPEG")
-
-
-@dataclass(frozen=True)
-class ImageConfig:
-    """How a request's ``image`` (PNG/JPEG bytes) becomes a request-shaped array.
-
-    Read from the ``image`` object of ``metadata.json``; for ``digits``::
-
-        {"mode": "L", "size": [8, 8], "scale": 0.0627451, "resample": "box"}
-
-    The image is converted to ``mode``, resized to ``size`` with ``resample``, and each pixel
-    ``p`` becomes ``p * scale + offset`` — the units of a request tensor (0..16 for digits: a
-    white pixel is 16, full ink). With ``mean``/``std`` (one value per band, in those units) it
-    then becomes ``(p * scale + offset - mean[band]) / std[band]``; ``layout: "CHW"`` puts the
-    bands first. An RGB ImageNet model (torchvision's normalization)::
-
-        {"mode": "RGB", "size": [224, 224], "scale": 0.00392157, "resample": "bilinear",
-         "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225], "layout": "CHW"}
-
-    The model's normal pre-processing follows.
-
-    Attributes:
-        mode: Pillow mode, e.g. ``"L"`` (8-bit grayscale) or ``"RGB"``.
-        size: ``(width, height)`` in pixels after resizing.
-        scale / offset: Pixel (0..255) → request units.
-        resample: Pillow filter name: ``"box"`` (area average; for digits it matches how the
-            8×8 data set was made, counting ink in 4×4 blocks of 32×32 bitmaps), ``"bilinear"``,
-            ``"bicubic"``, ``"lanczos"``, ``"nearest"``, ``"hamming"``.
-        formats: Pillow format names accepted, e.g. ``("PNG", "JPEG")``.
-        max_pixels: Largest width × height accepted, checked from the header before decoding.
-        mean / std: Per-band normalization after scale and offset, one value per band of
-            ``mode``; None: none.
-        layout: ``"HWC"`` (default: Pillow's order) or ``"CHW"`` (bands first) for
-            multi-band modes.
-    """
-
-    mode: str
-    size: tuple[int, int]
-    scale: float = 1.0
-    offset: float = 0.0
-    resample: str = "box"
-    formats: tuple[str, ...] = DEFAULT_IMAGE_FORMATS
-    max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
-    mean: tuple[float, ...] | None = None
-    std: tuple[float, ...] | None = None
-    layout: str = "HWC"
-
-    @classmethod
-    def from_metadata(cls, meta: dict[str, Any]) -> ImageConfig:
-        """Build from the metadata's ``image`` object.
-
-        Raises:
-            ValueError / KeyError / TypeError: A field is missing or invalid (the caller turns
-                it into :class:`ConfigError`).
-        """
-        width, height = (int(d) for d in meta["size"])
-        config = cls(
-            mode=str(meta["mode"]),
-            size=(width, height),
-            scale=float(meta.get("scale", 1.0)),
-            offset=float(meta.get("offset", 0.0)),
-            resample=str(meta.get("resample", "box")),
-            formats=tuple(str(f).upper() for f in meta.get("formats", DEFAULT_IMAGE_FORMATS)),
-            max_pixels=int(meta.get("max_pixels", DEFAULT_MAX_IMAGE_PIXELS)),
-            mean=_floats(meta["mean"]) if meta.get("mean") is not None else None,
-            std=_floats(meta["std"]) if meta.get("std") is not None else None,
-            layout=str(meta.get("layout", "HWC")).upper(),
-        )
-        if width < 1 or height < 1 or config.max_pixels < width * height:
-            raise ValueError(
-                f"image size {[width, height]} / max_pixels {config.max_pixels}: the size must be "
-                "positive and width × height at most max_pixels"
-            )
-        Image.Resampling[config.resample.upper()]  # KeyError names a bad filter
-        bands = Image.getmodebands(config.mode)  # KeyError names a bad mode
-        if not config.formats:
-            raise ValueError("image formats is empty")
-        if config.layout not in ("HWC", "CHW"):
-            raise ValueError(f"image layout {config.layout!r}: use 'HWC' or 'CHW'")
-        for name, values in (("mean", config.mean), ("std", config.std)):
-            if values is not None and len(values) != bands:
-                raise ValueError(
-                    f"image {name} has {len(values)} values, mode {config.mode!r} has {bands} "
-                    "band(s): give one per band"
-                )
-        if config.std is not None and not all(v > 0 for v in config.std):
-            raise ValueError(f"image std {list(config.std)} must be positive")
-        return config
-
-    @property
-    def array_shape(self) -> tuple[int, ...]:
-        """Shape of the decoded array: ``(height, width)``, or ``(height, width, bands)``."""
-        width, height = self.size
-        bands = Image.getmodebands(self.mode)
-        if bands == 1:
-            return (height, width)
-        return (bands, height, width) if self.layout == "CHW" else (height, width, bands)
-
-    def to_array(self, data: bytes) -> np.ndarray:
-        """Decode, convert, resize and scale one image.
-
-        The pixel count is read from the image header and checked before any pixel is decoded,
-        so a small file that claims a huge image (a decompression bomb) costs nothing.
-
-        Args:
-            data: PNG or JPEG bytes (any format in :attr:`formats`), untrusted.
-
-        Returns:
-            ``float32[*array_shape]`` in request units (pixel × scale + offset, then
-            ``(· - mean) / std`` per band), e.g. ``float32[8, 8]`` with values 0..16 for digits,
-            ``float32[3, 224, 224]`` for an RGB model with ``layout: "CHW"``.
-
-        Raises:
-            InvalidRequestError: ``too_large`` (more than :attr:`max_pixels` or Pillow's
-                ``Image.MAX_IMAGE_PIXELS``) or ``undecodable_image``.
-        """
-        limit = self.max_pixels
-        if Image.MAX_IMAGE_PIXELS:
-            limit = min(limit, int(Image.MAX_IMAGE_PIXELS))
-        accepted = " or ".join(self.formats)
-        try:
-            # Image.open reads only the header (lazy); pixels are decoded by load().
-            with Image.open(io.BytesIO(data), formats=list(self.formats)) as image:
-                width, height = image.size
-                if width * height > limit:
-                    raise InvalidRequestError(
-                        "too_large",
-                        f"the image is {width}×{height} = {width * height} pixels, more than the "
-                        f"{limit} this model accepts; send it resized to {self.size[0]}×"
-                        f"{self.size[1]}",
-                    )
-                if image.format == "JPEG":
-                    image.draft(self.mode, self.size)  # let libjpeg decode at a reduced scale
-                image.load()
-                converted = image.convert(self.mode)
-                if converted.size != self.size:
-                    converted = converted.resize(
-                        self.size, Image.Resampling[self.resample.upper()]
-                    )
-                array = np.asarray(converted, dtype=np.float32)
-        except InvalidRequestError:
-            raise
-        # Pillow's own guard: an error above 2 × MAX_IMAGE_PIXELS, a warning (an error under
-        # "-W error") above MAX_IMAGE_PIXELS.
-        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-            raise InvalidRequestError(
-                "too_large", f"the image has too many pixels: {exc}"
-            ) from exc
-        # Pillow's decoders raise many unrelated types on hostile bytes (OSError, SyntaxError,
-        # ValueError, struct.error, EOFError, ...); none of them may escape as a worker crash.
-        except Exception as exc:
-            message = str(exc).split(" <_io.BytesIO", 1)[0]
-            raise InvalidRequestError(
-                "undecodable_image",
-                f"the image cannot be decoded as {accepted}: {type(exc).__name__}: {message}",
-            ) from exc
-        if self.layout == "CHW" and array.ndim == 3:
-            array = np.ascontiguousarray(array.transpose(2, 0, 1))
-        if array.shape != self.array_shape:  # e.g. a mode Pillow converted differently
-            raise InvalidRequestError(
-                "undecodable_image",
-                f"the image decoded to shape {list(array.shape)}, expected "
-                f"{list(self.array_shape)}",
-            )
-        if self.scale != 1.0:
-            array *= np.float32(self.scale)
-        if self.offset != 0.0:
-            array += np.float32(self.offset)
-        if self.mean is not None or self.std is not None:
-            # One value per band, broadcast along the band axis of the layout.
-            shape = (-1, 1, 1) if self.layout == "CHW" else (1, 1, -1)
-            if self.mean is not None:
-                array -= np.asarray(self.mean, dtype=np.float32).reshape(shape)
-            if self.std is not None:
-                array /= np.asarray(self.std, dtype=np.float32).reshape(shape)
-        return array
 
 
 @dataclass(frozen=True)
@@ -318,14 +132,44 @@ class ModelConfig:
         """Engine input shape of one item, e.g. ``(1, 8, 8)``."""
         return self.input_shape[1:]
 
-    def preprocess(self, request: InferenceRequest) -> np.ndarray:
+    def image_spec(self) -> ImageSpec | None:
+        """The whole image → engine input declaration (image config, then ``preprocessing``
+        scale/offset, then the input dtype) as one :class:`~engines.preprocess.ImageSpec` for
+        an engine that decodes images itself; None for a tensor-only model or one whose
+        declaration cannot be folded (``preprocessing.scale`` 0 with mean/std)."""
+        if self.image is None:
+            return None
+        try:
+            return self.image.spec(scale=self.scale, offset=self.offset,
+                                   dtype=str(self.input_dtype))
+        except ValueError:
+            return None
+
+    def encoded_image(
+        self, request: InferenceRequest, max_image_pixels: int | None = None
+    ) -> EncodedImage | None:
+        """The request's image still compressed, for an engine that decodes JPEGs itself, or
+        None when the request must go through :meth:`preprocess` (a tensor request, a model
+        without images, or a frame the GPU cannot decode: see
+        :meth:`~streamapp.models.images.ImageConfig.for_gpu`). Reads the header only."""
+        if request.tensor is not None or request.image is None or self.image is None:
+            return None
+        return self.image.for_gpu(request.image, max_image_pixels)
+
+    def preprocess(
+        self, request: InferenceRequest, max_image_pixels: int | None = None
+    ) -> np.ndarray:
         """Turn a request's tensor or image into one engine input item.
 
         A tensor is used when the request has one, else the image (models with an ``image``
-        config only).
+        config only). A tensor whose dtype is the input's, with scale 1 and offset 0, is
+        returned as a read-only view of the request's bytes (no copy); the executor's pack into
+        its (pinned) staging buffer is then the only copy.
 
         Args:
             request: A decoded request for this model.
+            max_image_pixels: The worker's image pixel limit (``Settings.max_image_pixels``),
+                or None for the model's own limit only.
 
         Returns:
             ``input_dtype[*item_shape]``, e.g. ``float32[1, 8, 8]`` = pixels × scale + offset.
@@ -334,7 +178,7 @@ class ModelConfig:
             InvalidRequestError: ``unsupported_input`` (an image for a tensor-only model),
                 ``bad_dtype``, ``bad_shape``, ``non_finite`` (NaN/Inf given, or produced by the
                 conversion, where the model forbids them), ``undecodable_image`` or
-                ``too_large`` (image pixels).
+                ``image_too_large``.
         """
         tensor = request.tensor
         if tensor is None:
@@ -343,7 +187,7 @@ class ModelConfig:
                     "unsupported_input",
                     f"model {self.name!r} takes a tensor {list(self.request_shape)}, not an image",
                 )
-            return self._to_input(self.image.to_array(request.image))
+            return self._to_input(self.image.to_array(request.image, max_image_pixels))
         if tensor.dtype not in self.request_dtypes:
             raise InvalidRequestError(
                 "bad_dtype",
@@ -391,6 +235,8 @@ class ModelConfig:
                     and abs(self.offset) <= 1e6)
 
     def _convert(self, raw: np.ndarray) -> np.ndarray:
+        if raw.dtype == self.input_dtype and self.scale == 1.0 and self.offset == 0.0:
+            return raw  # nothing to do: keep the view of the received bytes
         with np.errstate(over="ignore", invalid="ignore"):  # overflow is reported by the caller
             array = raw.astype(self.input_dtype)
             if self.scale != 1.0:
@@ -418,12 +264,6 @@ class ModelConfig:
         """The ``k`` most likely labels of one item's probabilities ``float32[classes]``."""
         order = np.argsort(-probs, kind="stable")[:k]
         return [{"label": self.labels[i], "score": round(float(probs[i]), 6)} for i in order]
-
-
-def _floats(values: Any) -> tuple[float, ...]:
-    if not isinstance(values, list | tuple) or not values:
-        raise TypeError(f"expected a non-empty list of numbers, got {values!r}")
-    return tuple(float(v) for v in values)
 
 
 def _strict_bool(value: Any) -> bool:

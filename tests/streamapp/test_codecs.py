@@ -464,6 +464,7 @@ def test_every_decode_reason_is_reachable() -> None:
         "unsupported_input",
         "non_finite",
         "undecodable_image",
+        "image_too_large",
         "duplicate_request_id",
         "inference_failed",
         "retries_exhausted",

@@ -197,7 +197,7 @@ def test_image_over_max_pixels_is_refused_from_its_header(digits: ModelConfig) -
     finally:
         tracemalloc.stop()
 
-    assert error.reason == "too_large"
+    assert error.reason == "image_too_large"
     assert "4000×4000" in error.message and "4194304" in error.message
     assert peak < 1 << 20  # the 16 MB of pixels were never decoded
     assert elapsed < 0.5
@@ -207,14 +207,14 @@ def test_header_claiming_a_huge_image_is_too_large_not_undecodable(digits: Model
     # No pixel data at all: decoding would fail, so too_large proves the header came first.
     error = rejection(digits, request_for(image=png_header(3000, 3000)))
 
-    assert error.reason == "too_large"
+    assert error.reason == "image_too_large"
 
 
 def test_pillow_decompression_bomb_guard_applies(digits: ModelConfig) -> None:
     # 100,000² pixels: over 2 × Image.MAX_IMAGE_PIXELS, where Pillow itself raises.
     error = rejection(digits, request_for(image=png_header(100_000, 100_000)))
 
-    assert error.reason == "too_large"
+    assert error.reason == "image_too_large"
 
 
 def test_image_max_pixels_is_capped_by_pillows_limit(
@@ -225,7 +225,7 @@ def test_image_max_pixels_is_capped_by_pillows_limit(
     big = encode_image(np.zeros((32, 33), dtype=np.uint8))
 
     assert digits.preprocess(request_for(image=ok)).shape == (1, 8, 8)
-    assert rejection(digits, request_for(image=big)).reason == "too_large"
+    assert rejection(digits, request_for(image=big)).reason == "image_too_large"
 
 
 # -- NaN and infinity -----------------------------------------------------------------------------
