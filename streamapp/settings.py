@@ -129,6 +129,13 @@ class Settings(BaseSettings):
         description="Larger original values are left out of dead letters (their size and sha256 "
         "are kept): base64 makes them 4/3 as big and a Kafka record is limited (1 MB default).",
     )
+    max_produce_bytes: int = Field(
+        1_000_000, ge=4096,
+        description="Largest record the worker produces (bytes, key + value + record overhead; "
+        "the producer's max_request_size). Keep it at or below the topics' max.message.bytes. "
+        "A result, retry record or dead letter that would be larger becomes a small "
+        "unproducible_outcome dead letter.",
+    )
     top_k: int = Field(3, ge=1, description="Labels with scores in each classification result.")
 
     # -- Delivery: commits, retries ----------------------------------------------------------------

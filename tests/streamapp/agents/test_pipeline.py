@@ -28,8 +28,10 @@ from engines.exceptions import EngineRuntimeError, InputSpecError
 from engines.executor import Item, ThreadExecutor
 from engines.registry import load_engine
 from engines.testing import FakeEngine
+from streamapp.agents.observer import Outcome
 from streamapp.agents.pipeline import InferencePipeline, LoadedModel, SourceMessage
 from streamapp.codecs import REASONS, decode_dead_letter, decode_result, encode_request
+from streamapp.metrics import Metrics
 from streamapp.models import ModelConfig, ModelRepository
 from streamapp.records import DeadLetter, InferenceRequest, TensorPayload
 from streamapp.retry import MemoryRetryStore, RetryRecord
@@ -117,6 +119,22 @@ def good(source: Source, pixels: np.ndarray, device: str, seq: int, **kw: Any) -
     return source.message(request_value(pixels, device, seq, **kw), device.encode())
 
 
+class Recorder:
+    """A pipeline observer that keeps every outcome."""
+
+    def __init__(self) -> None:
+        self.outcomes: list[Outcome] = []
+
+    def on_outcome(self, outcome: Outcome) -> None:
+        self.outcomes.append(outcome)
+
+    def on_batch(self, model: str, info: Any) -> None:
+        return None
+
+    async def flush(self) -> None:
+        return None
+
+
 def top_label(probs: np.ndarray) -> str:
     return str(int(np.argmax(probs)))
 
@@ -165,7 +183,8 @@ async def start_pipeline(digits_config: ModelConfig) -> AsyncIterator[StartPipel
     started: list[tuple[InferencePipeline, ThreadExecutor]] = []
 
     async def start(
-        executor: ThreadExecutor, sink: FakeSink, *, retry_store: Any = None, **settings: Any
+        executor: ThreadExecutor, sink: FakeSink, *, retry_store: Any = None,
+        observers: Sequence[Any] = (), **settings: Any
     ) -> InferencePipeline:
         options: dict[str, Any] = {
             "max_batch_size": 4,
@@ -181,6 +200,7 @@ async def start_pipeline(digits_config: ModelConfig) -> AsyncIterator[StartPipel
             sink,
             worker=WORKER,
             retry_store=retry_store,
+            observers=observers,
         )
         await pipeline.start()
         started.append((pipeline, executor))
@@ -341,7 +361,22 @@ class BadCase:
     key: bytes | None
     reason: str
     stage: str
-    decoded: bool  # request_id / device_id known
+    readable: bool  # request_id / device_id / model readable from the value (issue 10, item 4)
+
+
+def _json_with(pixels: np.ndarray, codec: str = "json", **changes: Any) -> bytes:
+    """A valid request (``dev-a-5`` of ``dev-a``) with some fields changed (tensor fields
+    prefixed ``tensor_``)."""
+    value = request_value(pixels, "dev-a", 5, codec=codec)
+    body = msgpack.unpackb(value) if codec == "msgpack" else json.loads(value)
+    for name, new in changes.items():
+        if name.startswith("tensor_"):
+            body["tensor"][name.removeprefix("tensor_")] = new
+        else:
+            body[name] = new
+    if codec == "msgpack":
+        return bytes(msgpack.packb(body, use_bin_type=True))
+    return json.dumps(body).encode()
 
 
 BAD_CASES = {
@@ -355,7 +390,29 @@ BAD_CASES = {
         False,
     ),
     "missing-field": BadCase(
-        lambda px: _json_without("seq", px), b"dev-a", "missing_field", "decode", False
+        lambda px: _json_without("seq", px), b"dev-a", "missing_field", "decode", True
+    ),
+    # rejected after the value parsed: whatever had the right type is kept (issue 10, item 4)
+    "negative-shape": BadCase(
+        lambda px: _json_with(px, tensor_shape=[-8, 8]), b"dev-a", "bad_shape", "decode", True
+    ),
+    "msgpack-negative-shape": BadCase(
+        lambda px: _json_with(px, "msgpack", tensor_shape=[-8, 8]),
+        b"dev-a", "bad_shape", "decode", True,
+    ),
+    "data-length": BadCase(
+        lambda px: _json_with(px, tensor_shape=[4, 8]), b"dev-a", "bad_tensor", "decode", True
+    ),
+    "seq-as-text": BadCase(
+        lambda px: _json_with(px, seq="5"), b"dev-a", "wrong_type", "decode", True
+    ),
+    "ts-in-milliseconds": BadCase(
+        lambda px: _json_with(px, ts=1_700_000_000_000.0), b"dev-a", "bad_timestamp", "decode",
+        True,
+    ),
+    "msgpack-no-tensor": BadCase(
+        lambda px: _json_with(px, "msgpack", tensor=None), b"dev-a", "missing_field", "decode",
+        True,
     ),
     "too-large": BadCase(
         lambda px: b"{" + b" " * (1 << 20) + b"}", b"dev-a", "too_large", "decode", False
@@ -397,8 +454,11 @@ async def test_bad_input_becomes_one_dead_letter(
     offline_probs: Callable[[int], np.ndarray],
     case: BadCase,
 ) -> None:
-    sink, source = FakeSink(), Source()
-    pipeline = await start_pipeline(ThreadExecutor(onnx_engine), sink)
+    sink, source, seen = FakeSink(), Source(), Recorder()
+    metrics = Metrics(["digits"], max_batch_size=4, process_metrics=False)
+    pipeline = await start_pipeline(
+        ThreadExecutor(onnx_engine), sink, observers=[seen, metrics]
+    )
     before = good(source, images[3], "dev-a", 4)
     value = case.value(images[5])
     bad = source.message(value, case.key)
@@ -432,10 +492,20 @@ async def test_bad_input_becomes_one_dead_letter(
     assert letter.error["message"]
     assert letter.source == {"topic": REQUEST_TOPIC, "partition": PARTITION, "offset": bad.offset}
     assert letter.attempts == 1 and letter.worker == WORKER
-    if case.decoded:
+    (rejected,) = [o for o in seen.outcomes if o.kind == "dead_letter"]
+    named = "mnist" if case.reason == "unknown_model" else "digits"
+    if case.readable:
         assert (letter.request_id, letter.device_id) == ("dev-a-5", "dev-a")
+        assert (rejected.request_id, rejected.device_id, rejected.model) == (
+            "dev-a-5", "dev-a", named
+        )
     else:
         assert (letter.request_id, letter.device_id) == (None, None)
+        assert rejected.model is None
+    # /metrics counts it under the (loaded) model it named, when that could be read
+    label = named if case.readable and named == "digits" else "unknown"
+    dead = metrics.dead_letters.labels(label, case.reason)
+    assert dead._value.get() == 1
     assert pipeline.stats.dead_letters == {case.reason: 1}
     assert source.acked == [before.offset, bad.offset, after.offset]
 
