@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import math
 import time
 import traceback
 from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
@@ -566,6 +567,7 @@ class InferencePipeline:
             partition=work.source.partition,
             event=work.source.event,
             batch_size=result.batch_size if result else None,
+            clock_skew_ms=result.clock_skew_ms if result else None,
         )
 
     def _result(
@@ -575,6 +577,7 @@ class InferencePipeline:
         assert request is not None and model is not None and batch is not None
         assert item.outputs is not None
         now = time.time()
+        e2e_ms, skew_ms = self._e2e_ms(work, request, now)
         result = InferenceResult(
             request_id=request.request_id,
             device_id=request.device_id,
@@ -585,11 +588,12 @@ class InferencePipeline:
             attempt=work.attempt,
             queue_ms=round((batch.started_at - work.source.received_at) * 1000.0, 3),
             infer_ms=round(item.infer_ms, 3),
-            e2e_ms=round((now - request.ts) * 1000.0, 3),
+            e2e_ms=e2e_ms,
             batch_id=f"{self.worker}/{batch.batch_id}",
             batch_size=batch.size,
             worker=self.worker,
             ts=now,
+            clock_skew_ms=skew_ms,
         )
         self.stats.results += 1
         value = encode_result(result.to_dict(), self.settings.result_codec)
@@ -597,6 +601,37 @@ class InferencePipeline:
             self.settings.result_topic, request.device_id.encode(), value,
             self._outcome("result", work, result=result),
         )
+
+    def _e2e_ms(
+        self, work: _Work, request: InferenceRequest, now: float
+    ) -> tuple[float, float | None]:
+        """End-to-end latency of a result and the device clock's skew (docs/faults.md).
+
+        The device's ``ts`` is trusted when it lies within ``max_clock_skew_s`` of the time the
+        request reached Kafka: the request record's timestamp (set by the producer or the
+        broker), or, for a record without one, when this worker read it; for a retry, when its
+        first attempt failed. Otherwise the latency runs from that time, and the skew is
+        reported.
+
+        Returns:
+            ``(e2e_ms, clock_skew_ms)``: milliseconds, ``e2e_ms >= 0``; ``clock_skew_ms`` is
+            ``ts`` minus the reference time (positive: device clock ahead), or None when ``ts``
+            was trusted.
+        """
+        source = work.source
+        if source.retry is not None:
+            arrived = source.retry.first_failed_ts
+        else:
+            stamp = getattr(getattr(source.event, "message", None), "timestamp", None)
+            if isinstance(stamp, int | float) and math.isfinite(stamp) and stamp > 0:
+                arrived = float(stamp)
+            else:
+                arrived = now - (time.monotonic() - source.received_at)
+        skew = request.ts - arrived
+        bound = float(getattr(self.settings, "max_clock_skew_s", 300.0))
+        if abs(skew) <= bound:
+            return round(max(now - request.ts, 0.0) * 1000.0, 3), None
+        return round(max(now - arrived, 0.0) * 1000.0, 3), round(skew * 1000.0, 3)
 
     def _retry(
         self, work: _Work, error: BaseException

@@ -41,7 +41,8 @@ def retry_record(**changes: object) -> bytes:
     indirect=True,
 )
 async def test_poisoned_retry_records_are_dead_lettered_and_retries_go_on(
-    kafka_broker: EmbeddedBroker, faulty_worker: WorkerProcess, worker_settings: Settings,
+    kafka_broker: EmbeddedBroker, faulty_worker: WorkerProcess,  # noqa: F811
+    worker_settings: Settings,
 ) -> None:
     s = worker_settings
     poisoned = [retry_record(not_before="soon"), retry_record(request_id=123)]
