@@ -62,8 +62,9 @@ REASONS: dict[str, str] = {
     "duplicate_request_id": "another request with the same request_id is in the same batch",
     "inference_failed": "the engine failed on this request with a non-retriable error",
     "retries_exhausted": "transient failures persisted through max_retries retries",
-    "invalid_retry_record": "a record in the retry topic was not written by streamapp",
-    "unproducible_outcome": "the result or dead letter could not be produced (e.g. too large)",
+    "invalid_retry_record": "a record in the retry topic is not a valid retry record",
+    "unproducible_outcome": "the result, retry record or dead letter could not be produced "
+    "(e.g. larger than max_produce_bytes)",
     "internal_error": "a bug in streamapp; the log has the traceback",
 }
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import time
+from collections import Counter
 
 import pytest
 
@@ -13,6 +14,7 @@ from streamapp.client import collect_outcomes, publish_values
 from streamapp.process import WorkerProcess
 from streamapp.settings import Settings
 from tests.integration.test_failures import FLAKY, faulty_worker, request  # noqa: F401
+from tests.integration.test_state import _wait_committed
 
 pytestmark = [pytest.mark.kafka]
 
@@ -60,3 +62,45 @@ async def test_poisoned_retry_records_are_dead_lettered_and_retries_go_on(
     # SIGTERM stops it cleanly (the issue: killed after 90 s once the retry scheduler had died)
     assert faulty_worker.stop(timeout_s=30) == 0
     faulty_worker.start().wait_ready(timeout_s=60)
+
+
+async def test_an_unproducible_result_is_dead_lettered_and_restarts_answer_nothing_twice(
+    kafka_broker: EmbeddedBroker, worker: WorkerProcess, worker_settings: Settings,
+) -> None:
+    s, bootstrap = worker_settings, kafka_broker.bootstrap_servers
+    # valid in every field and under max_request_bytes, but its result (which repeats the
+    # request_id) would be over the producer's 1,000,000-byte limit
+    key, big = request(0, 0, device="dev-big", request_id="r" * 999_600)
+    assert 999_000 < len(big) < s.max_request_bytes
+    good = [request(i % 10, i, device="dev-big") for i in range(1, 501)]
+    await publish_values(bootstrap, s.request_topic, [(key, big), *good])
+    out = await collect_outcomes(
+        bootstrap, s.result_topic, s.dlq_topic,
+        done=lambda o: len(o.results) >= 500 and len(o.dead_letters) >= 1, timeout_s=120,
+    )
+    (letter,) = out.dead_letters
+    assert letter.error["reason"] == "unproducible_outcome"
+    assert letter.request_id == "r" * 256 and letter.extra["ids_truncated"] == {
+        "request_id": 999_600
+    }
+    assert letter.source["offset"] == 0 and letter.value == b""
+    assert Counter(r["request_id"] for r in out.results) == Counter(
+        f"dev-big-{i}" for i in range(1, 501)
+    )
+    # the committed offset moves past the bad record, to the end of the partition
+    await _wait_committed(bootstrap, s, timeout_s=60)
+    for restart in (1, 2):
+        assert worker.stop(timeout_s=30) == 0
+        worker.start().wait_ready(timeout_s=60)
+        # a marker of the same device (same partition): anything processed again would be
+        # answered before it
+        marker = f"dev-big-{500 + restart}"
+        await publish_values(bootstrap, s.request_topic,
+                             [request(1, 500 + restart, device="dev-big")])
+        out = await collect_outcomes(
+            bootstrap, s.result_topic, s.dlq_topic,
+            done=lambda o, m=marker: m in o.result_ids(), timeout_s=60,
+        )
+        counts = Counter(r["request_id"] for r in out.results)
+        assert len(out.results) == 500 + restart, f"after restart {restart}: duplicates"
+        assert set(counts.values()) == {1} and len(out.dead_letters) == 1
