@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import time
 from collections import Counter
 
 import pytest
+from aiokafka import AIOKafkaProducer
 
 from streamapp.broker import EmbeddedBroker
 from streamapp.client import collect_outcomes, publish_values
@@ -17,6 +19,20 @@ from tests.integration.test_failures import FLAKY, faulty_worker, request  # noq
 from tests.integration.test_state import _wait_committed
 
 pytestmark = [pytest.mark.kafka]
+
+
+async def publish_batched(bootstrap: str, topic: str,
+                          records: list[tuple[bytes, bytes]]) -> None:
+    """Publish in order without waiting for each ack (``publish_values`` takes ~170 ms a record
+    on a loaded machine); aiokafka keeps one batch in flight per partition, so order holds."""
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5,
+                                max_request_size=2_000_000)
+    await producer.start()
+    try:
+        futures = [await producer.send(topic, value, key=key) for key, value in records]
+        await asyncio.gather(*futures)
+    finally:
+        await producer.stop()
 
 
 def retry_record(**changes: object) -> bytes:
@@ -64,6 +80,8 @@ async def test_poisoned_retry_records_are_dead_lettered_and_retries_go_on(
     faulty_worker.start().wait_ready(timeout_s=60)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # 501 records and two restarts: ~2 min alone, more on a loaded host
 async def test_an_unproducible_result_is_dead_lettered_and_restarts_answer_nothing_twice(
     kafka_broker: EmbeddedBroker, worker: WorkerProcess, worker_settings: Settings,
 ) -> None:
@@ -73,7 +91,7 @@ async def test_an_unproducible_result_is_dead_lettered_and_restarts_answer_nothi
     key, big = request(0, 0, device="dev-big", request_id="r" * 999_600)
     assert 999_000 < len(big) < s.max_request_bytes
     good = [request(i % 10, i, device="dev-big") for i in range(1, 501)]
-    await publish_values(bootstrap, s.request_topic, [(key, big), *good])
+    await publish_batched(bootstrap, s.request_topic, [(key, big), *good])
     out = await collect_outcomes(
         bootstrap, s.result_topic, s.dlq_topic,
         done=lambda o: len(o.results) >= 500 and len(o.dead_letters) >= 1, timeout_s=120,
