@@ -103,7 +103,8 @@ class DeviceStateObserver:
             if device is None or device == key or outcome.kind == "dead_letter":
                 return key, event
             return device, None
-        if outcome.device_id:
+        if outcome.device_id and outcome.reason != "invalid_retry_record":
+            # (the ids of an invalid retry record are whatever its writer put there)
             return outcome.device_id.encode(), None
         return None
 

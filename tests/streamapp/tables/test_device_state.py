@@ -113,13 +113,16 @@ async def test_the_record_key_identifies_the_device_and_retries_use_device_id() 
     # a retried request arrives from the retry topic, keyed by request id
     observer.on_outcome(result("cam1", 1, 1_000.0, topic="inference-retry", key=b"cam1-1",
                                kind="retry", reason="engine_oom"))
+    # an invalid retry record names a device nobody checked: not attributable
+    observer.on_outcome(result("cam7", 0, 1_000.0, topic="inference-retry", key=b"rr-nb",
+                               kind="dead_letter", reason="invalid_retry_record"))
     # undecodable value, no key: not attributable
     anonymous = result("x", 0, 1_000.0, key=b"", kind="dead_letter", reason="invalid_json")
     anonymous.device_id = None
     observer.on_outcome(anonymous)
     await observer.flush()
     assert sorted(tables.stats) == [b"cam1", b"gateway-key"]
-    assert observer.stats.unattributed == 2
+    assert observer.stats.unattributed == 3
     gateway = reader.stats(b"gateway-key")
     assert gateway is not None and gateway["dead_letters_by_reason"] == {
         "key_mismatch": 1, "bad_shape": 1
