@@ -69,6 +69,7 @@ def faust_options(settings: Settings) -> dict[str, Any]:
         "broker_rebalance_timeout": settings.rebalance_timeout_s,
         "broker_request_timeout": settings.request_timeout_s,
         "producer_linger_ms": settings.producer_linger_ms,
+        "producer_max_request_size": settings.max_produce_bytes,
         "stream_buffer_maxsize": settings.stream_buffer_maxsize,
         "topic_partitions": settings.topic_partitions,
         "topic_replication_factor": settings.topic_replication_factor,

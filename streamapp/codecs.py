@@ -23,6 +23,7 @@ from streamapp.records import DeadLetter, InferenceRequest, TensorPayload
 
 __all__ = [
     "ALLOWED_DTYPES",
+    "MAX_ID_CHARS",
     "MAX_REQUEST_TS_AHEAD_S",
     "MIN_REQUEST_TS",
     "REASONS",
@@ -34,6 +35,7 @@ __all__ = [
     "encode_dead_letter",
     "encode_request",
     "encode_result",
+    "readable_fields",
     "tensor_to_array",
 ]
 
@@ -61,8 +63,9 @@ REASONS: dict[str, str] = {
     "duplicate_request_id": "another request with the same request_id is in the same batch",
     "inference_failed": "the engine failed on this request with a non-retriable error",
     "retries_exhausted": "transient failures persisted through max_retries retries",
-    "invalid_retry_record": "a record in the retry topic was not written by streamapp",
-    "unproducible_outcome": "the result or dead letter could not be produced (e.g. too large)",
+    "invalid_retry_record": "a record in the retry topic is not a valid retry record",
+    "unproducible_outcome": "the result, retry record or dead letter could not be produced "
+    "(e.g. larger than max_produce_bytes)",
     "internal_error": "a bug in streamapp; the log has the traceback",
 }
 
@@ -81,6 +84,11 @@ MAX_REQUEST_TS_AHEAD_S = 86_400.0
 ALLOWED_DTYPES: frozenset[str] = frozenset(
     {"uint8", "int8", "uint16", "int16", "int32", "int64", "float16", "float32", "float64"}
 )
+
+#: Longest id (``request_id``, ``device_id``, ``model``) copied from a *rejected* value into its
+#: dead letter's fields: ids are for finding a record, and a 1 MB id would make the dead letter
+#: too large to produce (the original value is kept whole when it fits).
+MAX_ID_CHARS = 256
 
 _MAX_RANK = 8
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
@@ -186,7 +194,44 @@ def decode_request(
         raise InvalidRequestError(
             "wrong_type", f"the value is a {type(body).__name__}, expected an object with fields"
         )
-    return _request_from_body(body, binary=binary, now=time.time() if now is None else now)
+    try:
+        return _request_from_body(body, binary=binary, now=time.time() if now is None else now)
+    except InvalidRequestError as exc:
+        exc.fields = readable_fields(body)
+        raise
+
+
+def readable_fields(body: Any) -> dict[str, Any]:
+    """The request fields of a decoded value that have the right type, whatever else is wrong
+    with it: ``request_id``, ``device_id``, ``model`` (non-empty str), ``seq`` (64-bit int) and
+    ``ts`` (finite number). A dead letter and the metrics carry them so that an operator can find
+    the rejected request (:attr:`InvalidRequestError.fields`).
+
+    Args:
+        body: The parsed JSON/msgpack value (anything; a non-object gives ``{}``).
+
+    Returns:
+        ``{name: value}`` for each readable field; strings longer than :data:`MAX_ID_CHARS` are
+        cut to that length (the dead letter keeps the original value when it fits).
+    """
+    if not isinstance(body, dict):
+        return {}
+    out: dict[str, Any] = {}
+    for name in ("request_id", "device_id", "model"):
+        value = body.get(name)
+        if isinstance(value, str) and value:
+            out[name] = value[:MAX_ID_CHARS]
+    seq = body.get("seq")
+    if isinstance(seq, int) and not isinstance(seq, bool) and _INT64_MIN <= seq <= _INT64_MAX:
+        out["seq"] = seq
+    ts = body.get("ts")
+    if isinstance(ts, int | float) and not isinstance(ts, bool):
+        try:
+            if math.isfinite(float(ts)):
+                out["ts"] = float(ts)
+        except OverflowError:
+            pass
+    return out
 
 
 def check_key(key: bytes | None, request: InferenceRequest) -> None:

@@ -42,6 +42,7 @@ __all__ = [
     "parse_since",
     "read_dead_letters",
     "replay_dead_letters",
+    "replayable",
 ]
 
 log = logging.getLogger(__name__)
@@ -323,12 +324,21 @@ class ReplayReport:
         replayed: Requests re-published (0 on a dry run).
         request_topic: Where they went.
         dry_run: Nothing was published.
+        skipped: Matched dead letters that cannot be replayed because their original value or
+            key was left out (too large to keep: ``extra.value_omitted`` / ``key_omitted``,
+            e.g. ``unproducible_outcome``); re-publishing them would send an empty value.
     """
 
     matched: int
     replayed: int
     request_topic: str
     dry_run: bool
+    skipped: int = 0
+
+
+def replayable(letter: DeadLetter) -> bool:
+    """Whether a dead letter still holds its original key and value byte for byte."""
+    return not ({"value_omitted", "key_omitted"} & set(letter.extra or {}))
 
 
 async def replay_dead_letters(
@@ -356,11 +366,16 @@ async def replay_dead_letters(
     Raises:
         BrokerError: See :func:`read_dead_letters`.
     """
-    entries = await read_dead_letters(
+    matched = await read_dead_letters(
         bootstrap_servers, dlq_topic, where=where, security=security, timeout_s=timeout_s
     )
+    entries = [e for e in matched if replayable(e.letter)]
+    skipped = len(matched) - len(entries)
+    if skipped:
+        log.warning("%d matching dead letters cannot be replayed: their original value or key "
+                    "was too large to keep (extra.value_omitted / key_omitted)", skipped)
     if dry_run or not entries:
-        return ReplayReport(len(entries), 0, request_topic, dry_run)
+        return ReplayReport(len(matched), 0, request_topic, dry_run, skipped)
     producer = AIOKafkaProducer(
         bootstrap_servers=bootstrap_servers, acks="all", linger_ms=5, **(security or {})
     )
@@ -374,7 +389,7 @@ async def replay_dead_letters(
     finally:
         await producer.stop()
     log.info("replayed %d dead letters (%s) to %s", len(entries), where.describe(), request_topic)
-    return ReplayReport(len(entries), len(entries), request_topic, dry_run)
+    return ReplayReport(len(matched), len(entries), request_topic, dry_run, skipped)
 
 
 # -- presentation -------------------------------------------------------------------------------

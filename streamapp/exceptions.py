@@ -7,6 +7,8 @@ dead-letter queue with their reason code. Bugs in our code are :class:`InternalE
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "BrokerError",
     "ConfigError",
@@ -53,11 +55,15 @@ class InvalidRequestError(StreamAppError, ValueError):
     Args:
         reason: Reason code, one of :data:`streamapp.codecs.REASONS`.
         message: What was wrong with which field, and how to fix it.
+        fields: What could be read of the record before it was rejected (``request_id``,
+            ``device_id``, ``seq``, ``ts``, ``model`` where present with the right type), so that
+            its dead letter and metrics name them; empty when nothing was readable.
     """
 
-    def __init__(self, reason: str, message: str) -> None:
+    def __init__(self, reason: str, message: str, fields: dict[str, Any] | None = None) -> None:
         super().__init__(message)
         self.reason = reason
+        self.fields: dict[str, Any] = dict(fields or {})
 
     @property
     def message(self) -> str:

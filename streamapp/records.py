@@ -57,7 +57,11 @@ class InferenceResult:
 
     Timings are milliseconds: ``queue_ms`` from reading the request to its batch starting,
     ``infer_ms`` the batch's engine time, ``e2e_ms`` from the request's ``ts`` to the result
-    being handed to the producer.
+    being handed to the producer — never negative. A device clock cannot be trusted: when
+    ``ts`` is more than ``max_clock_skew_s`` away from when the request reached Kafka (the
+    record's timestamp; the worker's read time where the record has none, the first failure for
+    a retry), ``e2e_ms`` runs from that time instead and ``clock_skew_ms`` is ``ts`` minus it
+    (positive: the device clock is ahead); else ``clock_skew_ms`` is None (docs/faults.md).
     """
 
     request_id: str
@@ -74,6 +78,7 @@ class InferenceResult:
     batch_size: int
     worker: str
     ts: float
+    clock_skew_ms: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         # Not dataclasses.asdict: its recursive deep copy took 20 µs per result on the worker's

@@ -17,15 +17,21 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import binascii
 import heapq
 import itertools
 import json
+import logging
+import math
 import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from typing import Annotated, Any, Protocol
 
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+
+from streamapp.codecs import readable_fields
 from streamapp.exceptions import InvalidRequestError
 from streamapp.tasks import cancel_and_wait
 
@@ -36,6 +42,8 @@ __all__ = [
     "RetryStore",
     "backoff_s",
 ]
+
+log = logging.getLogger(__name__)
 
 
 def backoff_s(attempt: int, *, base_ms: float, max_ms: float, jitter: float,
@@ -85,24 +93,143 @@ class RetryRecord:
         return json.dumps(body, separators=(",", ":")).encode()
 
     @classmethod
-    def decode(cls, value: bytes | None) -> RetryRecord:
-        """Parse a retry record.
+    def decode(cls, value: bytes | None, *, now: float | None = None) -> RetryRecord:
+        """Parse and validate a retry record read from the retry topic.
+
+        The retry topic is input like any other: every field is checked for its type and range
+        (:class:`_RetryBody`, a strict pydantic model) before anything is scheduled, stored in
+        ``retry_counts`` or run, so that a record written by something else becomes a dead
+        letter instead of crashing the retry agent or its scheduler.
+
+        Args:
+            value: The record value (JSON written by :meth:`encode`).
+            now: The worker's clock (epoch seconds) for the ``not_before`` bound; default
+                ``time.time()``.
+
+        Returns:
+            The record, with ``key`` and ``value`` base64-decoded.
 
         Raises:
-            InvalidRequestError: ``invalid_retry_record`` — not written by this module.
+            InvalidRequestError: ``invalid_retry_record``; its message names the fields that are
+                wrong and ``fields`` holds the ids that could be read (request_id, device_id,
+                model) for the dead letter.
         """
         try:
-            body = json.loads(value or b"")
-            body["key"] = None if body["key"] is None else base64.b64decode(body["key"])
-            body["value"] = base64.b64decode(body["value"])
-            record = cls(**body)
-        except (ValueError, TypeError, KeyError) as exc:
-            raise InvalidRequestError(
-                "invalid_retry_record",
-                f"the retry topic holds a record this worker cannot read ({exc}); only "
-                "streamapp workers should write to it",
-            ) from exc
-        return record
+            body = json.loads((value or b"").decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+            raise _invalid(f"it is not UTF-8 JSON ({_clip(str(exc))})", {}) from exc
+        if not isinstance(body, dict):
+            raise _invalid(f"it is a JSON {type(body).__name__}, not an object", {})
+        readable = readable_fields(body)
+        try:
+            parsed = _RetryBody.model_validate(body)
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(map(str, e['loc'])) or 'value'}: {e['msg']}"
+                for e in exc.errors(include_input=False, include_url=False)[:5]
+            )
+            raise _invalid(_clip(problems), readable) from exc
+        now = time.time() if now is None else now
+        if parsed.not_before > now + MAX_RETRY_DELAY_S:
+            raise _invalid(
+                f"not_before is {parsed.not_before:.0f}, {parsed.not_before - now:.0f} s ahead of "
+                f"the worker's clock; a retry is due within {MAX_RETRY_DELAY_S:.0f} s",
+                readable,
+            )
+        return cls(
+            request_id=parsed.request_id,
+            device_id=parsed.device_id,
+            model=parsed.model,
+            attempt=parsed.attempt,
+            not_before=parsed.not_before,
+            errors=[e.model_dump() for e in parsed.errors],
+            first_failed_ts=parsed.first_failed_ts,
+            source=parsed.source.model_dump(),
+            key=parsed.key,
+            value=parsed.value,
+            extra=parsed.extra,
+        )
+
+
+#: How far ahead of the worker's clock a retry record's ``not_before`` may be (seconds): one day,
+#: far beyond any backoff this module computes (capped by ``retry_backoff_max_ms``). A record due
+#: later would hold a scheduler slot for that long.
+MAX_RETRY_DELAY_S = 86_400.0
+
+#: Most entries in a retry record's ``errors`` (one per attempt; ``max_retries`` is far lower).
+MAX_RETRY_ERRORS = 1_000
+
+_MAX_MESSAGE_CHARS = 400
+
+
+def _clip(text: str, limit: int = _MAX_MESSAGE_CHARS) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _invalid(problem: str, readable: dict[str, Any]) -> InvalidRequestError:
+    error = InvalidRequestError(
+        "invalid_retry_record",
+        f"the retry topic holds a record this worker cannot use: {problem}; only streamapp "
+        "workers should write to the retry topic",
+    )
+    error.fields = readable
+    return error
+
+
+def _base64(value: str) -> bytes:
+    try:
+        return base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ValueError(f"not base64 ({exc})") from None
+
+
+_Text = Annotated[str, Field(min_length=1)]
+_Time = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
+_Count = Annotated[int, Field(ge=0, le=2**63 - 1)]
+
+
+class _ErrorEntry(BaseModel):
+    """One failed attempt in a retry record's ``errors``."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    attempt: _Count
+    reason: _Text
+    type: str
+    message: str
+    ts: _Time
+
+
+class _Source(BaseModel):
+    """Where the original request record was read."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    topic: _Text
+    partition: _Count
+    offset: _Count
+
+
+class _RetryBody(BaseModel):
+    """The JSON form of :class:`RetryRecord`, checked strictly: no coercion (``"1"`` is not an
+    attempt, ``true`` is not a number), times finite, counts in range, key/value base64.
+    Unknown fields are ignored (a newer worker may add some)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    request_id: _Text
+    device_id: _Text
+    model: _Text
+    attempt: Annotated[int, Field(ge=1, le=2**31 - 1)]
+    not_before: _Time
+    errors: Annotated[list[_ErrorEntry], Field(max_length=MAX_RETRY_ERRORS)]
+    first_failed_ts: _Time
+    source: _Source
+    key: Annotated[bytes | None, BeforeValidator(
+        lambda v: _base64(v) if isinstance(v, str) else v
+    )]
+    value: Annotated[bytes, BeforeValidator(lambda v: _base64(v) if isinstance(v, str) else v)]
+    extra: dict[str, Any] = Field(default_factory=dict)
 
 
 class RetryStore(Protocol):
@@ -160,6 +287,15 @@ class DelayScheduler:
         return len(self._heap)
 
     async def add(self, due: float, item: Any) -> None:
+        """Run ``item`` at ``due`` (epoch seconds, a finite float: it is compared with others).
+
+        Raises:
+            TypeError / ValueError: ``due`` is not a finite number (nothing is added).
+        """
+        if isinstance(due, bool) or not isinstance(due, int | float) or not math.isfinite(due):
+            raise (ValueError if isinstance(due, int | float) else TypeError)(
+                f"due time {due!r} is not a finite number of epoch seconds"
+            )
         await self._space.acquire()
         heapq.heappush(self._heap, (due, next(self._ids), item))
         self._wakeup.set()
@@ -169,8 +305,14 @@ class DelayScheduler:
             self._task = asyncio.create_task(self._run(), name="retry-scheduler")
 
     async def stop(self) -> None:
-        await cancel_and_wait(self._task)
-        self._task = None
+        """Stop running items (those waiting stay in memory: their records are not committed, so
+        they are read again after a restart). Never raises: a stopping worker must go on to close
+        its engines and commit."""
+        task, self._task = self._task, None
+        try:
+            await cancel_and_wait(task)
+        except Exception:  # _run catches callback errors; this would be a bug of ours
+            log.exception("the retry scheduler had failed")
 
     async def _run(self) -> None:
         while True:
@@ -189,4 +331,9 @@ class DelayScheduler:
                 continue
             _, _, item = heapq.heappop(self._heap)
             self._space.release()
-            await self._callback(item)
+            try:
+                await self._callback(item)
+            except Exception:
+                # One item must never stop the others: the record stays unacknowledged (read
+                # again after a restart) and the log says why.
+                log.exception("running the due retry %r failed", item)

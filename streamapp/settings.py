@@ -152,6 +152,19 @@ class Settings(BaseSettings):
         description="Larger original values are left out of dead letters (their size and sha256 "
         "are kept): base64 makes them 4/3 as big and a Kafka record is limited (1 MB default).",
     )
+    max_clock_skew_s: float = Field(
+        300.0, gt=0,
+        description="A request's ts further than this from when it reached Kafka (its record "
+        "timestamp) is a wrong device clock: e2e latency is then measured from the record "
+        "timestamp and the result carries clock_skew_ms (seconds; docs/faults.md).",
+    )
+    max_produce_bytes: int = Field(
+        1_000_000, ge=4096,
+        description="Largest record the worker produces (bytes, key + value + record overhead; "
+        "the producer's max_request_size). Keep it at or below the topics' max.message.bytes. "
+        "A result, retry record or dead letter that would be larger becomes a small "
+        "unproducible_outcome dead letter.",
+    )
     top_k: int = Field(3, ge=1, description="Labels with scores in each classification result.")
 
     # -- Delivery: commits, retries ----------------------------------------------------------------

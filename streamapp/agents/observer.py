@@ -36,6 +36,8 @@ class Outcome:
         event: The Faust event the request came in (table writes need it as the current event so
             they land in the key's partition), or None outside Faust.
         batch_size: Size of the batch the request ran in, else None.
+        clock_skew_ms: For a result whose device clock was off by more than
+            ``max_clock_skew_s``: ``ts`` minus when the request reached Kafka (ms); else None.
     """
 
     kind: OutcomeKind
@@ -54,6 +56,7 @@ class Outcome:
     partition: int
     event: Any = None
     batch_size: int | None = None
+    clock_skew_ms: float | None = None
 
 
 class PipelineObserver(Protocol):

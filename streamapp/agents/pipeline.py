@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import math
 import time
 import traceback
 from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
@@ -31,7 +32,15 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
-from aiokafka.errors import MessageSizeTooLargeError
+from aiokafka.errors import (
+    CorruptRecordException,
+    InvalidTimestampError,
+    MessageSizeTooLargeError,
+    RecordListTooLargeError,
+    RecordTooLargeError,
+    UnsupportedForMessageFormatError,
+)
+from aiokafka.record.default_records import DefaultRecordBatchBuilder
 
 from engines.base import EngineInfo
 from engines.exceptions import EngineError
@@ -39,7 +48,13 @@ from engines.executor import Executor
 from engines.preprocess import EncodedImage
 from streamapp.agents.observer import Outcome, OutcomeKind, PipelineObserver
 from streamapp.batching import BatchInfo, Completion, MicroBatcher
-from streamapp.codecs import check_key, decode_request, encode_dead_letter, encode_result
+from streamapp.codecs import (
+    MAX_ID_CHARS,
+    check_key,
+    decode_request,
+    encode_dead_letter,
+    encode_result,
+)
 from streamapp.exceptions import InternalError, InvalidRequestError, StreamAppError
 from streamapp.models import ModelConfig
 from streamapp.models.decoding import ImageDecoder
@@ -51,8 +66,30 @@ __all__ = ["InferencePipeline", "LoadedModel", "PipelineStats", "Sink", "SourceM
 
 #: Errors that mean *this record* cannot be encoded or produced, whatever the producer's state.
 _RECORD_ERRORS: tuple[type[BaseException], ...] = (
-    MessageSizeTooLargeError, ValueError, TypeError, OverflowError,
+    MessageSizeTooLargeError, RecordListTooLargeError, RecordTooLargeError,
+    CorruptRecordException, InvalidTimestampError, UnsupportedForMessageFormatError,
+    ValueError, TypeError, OverflowError,
 )
+
+#: Longest error message kept in an ``unproducible_outcome`` dead letter (characters).
+_SMALL_MESSAGE_CHARS = 400
+
+
+def _record_error(exc: BaseException) -> BaseException | None:
+    """The error in ``exc``'s cause chain that means *this record* can never be produced (Faust
+    wraps aiokafka's errors in ``ProducerSendError``), or None (e.g. the producer is stopping:
+    producing again later may work)."""
+    seen = 0
+    current: BaseException | None = exc
+    while current is not None and seen < 8:
+        if isinstance(current, _RECORD_ERRORS):
+            return current
+        current, seen = current.__cause__, seen + 1
+    return None
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +176,8 @@ class PipelineStats:
     retries: int = 0
     dead_letters: dict[str, int] = field(default_factory=dict)
     produce_failures: int = 0
+    #: Records finished although no outcome of theirs could be produced in any form (logged).
+    unwritable: int = 0
     acked: int = 0
     bisections: int = 0
 
@@ -181,6 +220,8 @@ class InferencePipeline:
                 why_not = self.images.use_engine(model.config, model.executor.engine)
                 log.info("model %s: JPEG frames decoded %s", name,
                          "on the GPU" if why_not is None else f"on the CPU ({why_not})")
+        #: Small dead letters being produced for records the broker refused (see _after_send).
+        self._replacing: set[asyncio.Future[None]] = set()
         self.batcher: MicroBatcher[_Work] = MicroBatcher(
             self._run_batch,
             self._emit,
@@ -335,13 +376,7 @@ class InferencePipeline:
         except _RECORD_ERRORS as exc:  # the outcome cannot be encoded (e.g. msgpack overflow)
             topic, key, value, outcome = self._unproducible(work, "outcome", b"", exc)
         try:
-            ack_future = await self.sink.send(topic, key, value)
-        except _RECORD_ERRORS as exc:
-            # This record cannot be produced (e.g. larger than the producer's maximum request
-            # size): say so in a small dead letter rather than leave the request unanswered,
-            # which would also stall its partition's commits.
-            topic, key, value, outcome = self._unproducible(work, topic, value, exc)
-            ack_future = await self.sink.send(topic, key, value)
+            sent = await self._send(work, topic, key, value, outcome)
         except Exception as exc:
             # The producer itself failed (e.g. stopping): the record stays uncommitted and is
             # processed again by whoever reads its partition next. Nothing is dead-lettered.
@@ -349,9 +384,14 @@ class InferencePipeline:
             log.error("cannot produce to %s for %s (%s: %s); it will be processed again",
                       topic, source, type(exc).__name__, exc)
             return
+        if sent is None:  # nothing can be produced for it: finished without an outcome record
+            self._finish_unwritable(work, retry)
+            await self._maybe_flush(completion.batch)
+            return
+        ack_future, topic, outcome = sent
         if retry is not None and outcome.kind != "retry":
             self.retry_store.finish(retry.request_id, source.event)  # the request is finished
-        self._after_send(ack_future, topic, source)
+        self._after_send(ack_future, topic, work, outcome)
         for observer in self.observers:
             if completion.batch is not None and completion.batch.batch_id not in \
                     self._emitted_in_batch:
@@ -372,15 +412,91 @@ class InferencePipeline:
             except Exception:
                 log.exception("observer %r failed to flush", observer)
 
-    def _after_send(self, ack_future: Any, topic: str, source: SourceMessage) -> None:
+    def max_record_bytes(self) -> int:
+        """The largest record this worker produces: ``max_produce_bytes`` (the producer's
+        ``max_request_size``; topics' ``max.message.bytes`` should not be smaller)."""
+        return int(getattr(self.settings, "max_produce_bytes", 1_000_000))
+
+    def _oversize(self, key: bytes | None, value: bytes) -> BaseException | None:
+        """A :class:`MessageSizeTooLargeError` when the record would be larger than
+        :meth:`max_record_bytes` — the same upper-bound estimate aiokafka's producer checks
+        (``DefaultRecordBatchBuilder.estimate_size_in_bytes``) — else None."""
+        size = DefaultRecordBatchBuilder.estimate_size_in_bytes(key, value, [])
+        limit = self.max_record_bytes()
+        if size <= limit:
+            return None
+        return MessageSizeTooLargeError(
+            f"the record would be {size} bytes (key {len(key or b'')} + value {len(value)} + "
+            f"overhead), more than max_produce_bytes={limit}"
+        )
+
+    async def _send(
+        self, work: _Work, topic: str, key: bytes | None, value: bytes, outcome: Outcome
+    ) -> tuple[Any, str, Outcome] | None:
+        """Hand an outcome record to the producer.
+
+        A record that can never be produced — larger than :meth:`max_record_bytes` (checked
+        before producing) or refused by the producer with a record error — is replaced by a
+        small ``unproducible_outcome`` dead letter; when even that cannot be produced, returns
+        None and the caller finishes the record without an outcome.
+
+        Returns:
+            ``(ack future, topic, outcome)`` of what was handed to the producer, or None.
+
+        Raises:
+            Exception: The producer failed for another reason (e.g. it is stopping).
+        """
+        while True:
+            problem = self._oversize(key, value)
+            if problem is None:
+                try:
+                    return await self.sink.send(topic, key, value), topic, outcome
+                except Exception as exc:
+                    problem = _record_error(exc)
+                    if problem is None:
+                        raise
+            if outcome.reason == "unproducible_outcome":
+                log.error("cannot produce even the small dead letter of %s (%s: %s)",
+                          work.source, type(problem).__name__, problem)
+                return None
+            topic, key, value, outcome = self._unproducible(work, topic, value, problem)
+
+    def _finish_unwritable(self, work: _Work, retry: RetryRecord | None) -> None:
+        """Finish a record none of whose outcomes can be produced: it must not hold back its
+        partition's commits for good. Logged at ERROR with its position and counted
+        (``stats.unwritable``)."""
+        source = work.source
+        self.stats.unwritable += 1
+        log.error(
+            "no outcome of %s[%d]@%d (request %r) can be produced in any form; the record is "
+            "marked finished without one so that its partition's commits go on",
+            source.topic, source.partition, source.offset,
+            _clip(work.request.request_id, 80) if work.request else None,
+        )
+        if retry is not None:
+            self.retry_store.finish(retry.request_id, source.event)
+        source.ack()
+        self.stats.acked += 1
+
+    def _after_send(self, ack_future: Any, topic: str, work: _Work, outcome: Outcome) -> None:
+        source = work.source
+
         def on_produced(fut: Any) -> None:
-            if fut.cancelled() or fut.exception() is not None:
+            error = None if fut.cancelled() else fut.exception()
+            if error is not None and _record_error(error) is not None:
+                # The broker refused this record for good (e.g. larger than the topic's
+                # max.message.bytes): answer with a small dead letter instead, or finish it.
+                task = asyncio.ensure_future(self._replace_refused(work, topic, outcome, error))
+                self._replacing.add(task)
+                task.add_done_callback(self._replacing.discard)
+                return
+            if fut.cancelled() or error is not None:
                 self.stats.produce_failures += 1
                 log.error(
                     "producing to %s for %s[%d]@%d failed (%s): the record stays uncommitted "
                     "and is processed again after a restart",
                     topic, source.topic, source.partition, source.offset,
-                    "cancelled" if fut.cancelled() else fut.exception(),
+                    "cancelled" if fut.cancelled() else error,
                 )
                 return
             source.ack()
@@ -391,20 +507,46 @@ class InferencePipeline:
             raise TypeError(f"sink.send must return a future, got {type(ack_future).__name__}")
         add_done_callback(on_produced)
 
+    async def _replace_refused(
+        self, work: _Work, topic: str, outcome: Outcome, error: BaseException
+    ) -> None:
+        """The broker refused an outcome record with a record error: produce the small dead
+        letter in its place (acknowledging the source once the broker has it), or finish the
+        record without an outcome when that is refused too or was the refused record."""
+        retry = work.source.retry
+        sent = None
+        if outcome.reason != "unproducible_outcome":
+            small = self._unproducible(work, topic, b"", error)
+            try:
+                sent = await self._send(work, *small)
+            except Exception as exc:
+                self.stats.produce_failures += 1
+                log.error("cannot produce the dead letter of %s (%s: %s); it will be processed "
+                          "again", work.source, type(exc).__name__, exc)
+                return
+        if sent is None:
+            self._finish_unwritable(work, retry)
+            return
+        self._after_send(sent[0], sent[1], work, sent[2])
+
     def _unproducible(
         self, work: _Work, topic: str, value: bytes, error: BaseException
     ) -> tuple[str, bytes | None, bytes, Outcome]:
+        """A small dead letter for an outcome that cannot be produced: reason
+        ``unproducible_outcome``, the source position, ids cut to :data:`MAX_ID_CHARS`, the
+        original key cut and value left out (their sizes and sha256 kept in ``extra``)."""
         log.error(
-            "cannot produce the outcome of %s to %s (%d bytes): %s: %s; sending a dead letter "
-            "without the original value instead", work.source, topic, len(value),
-            type(error).__name__, error,
+            "cannot produce the outcome of %s to %s (%d bytes): %s: %s; sending a small dead "
+            "letter instead", work.source, topic, len(value), type(error).__name__,
+            _clip(str(error), _SMALL_MESSAGE_CHARS),
         )
         failure = InvalidRequestError(
             "unproducible_outcome",
             f"the {topic} record for this request could not be produced "
-            f"({type(error).__name__}: {error}); the original value is omitted",
+            f"({type(error).__name__}: {_clip(str(error), _SMALL_MESSAGE_CHARS)}); the original "
+            "value is omitted",
         )
-        return self._dead_letter(work, failure, keep_value=False)
+        return self._dead_letter(work, failure, small=True)
 
     def _should_retry(self, work: _Work, error: BaseException) -> bool:
         retriable = getattr(error, "retriable", False)
@@ -439,16 +581,17 @@ class InferencePipeline:
 
     def _outcome(
         self, kind: OutcomeKind, work: _Work, reason: str | None = None,
-        result: InferenceResult | None = None,
+        result: InferenceResult | None = None, ids: Mapping[str, Any] | None = None,
     ) -> Outcome:
-        request = work.request
+        """``ids``: the request's ids when it was not decoded (see :meth:`_ids`)."""
         top = result.outputs["top_k"][0] if result is not None else None
+        known: Mapping[str, Any] = ids if ids is not None else self._ids(work, None)
         return Outcome(
             kind=kind,
-            device_id=request.device_id if request else None,
-            request_id=request.request_id if request else None,
-            seq=request.seq if request else None,
-            model=request.model if request else None,
+            device_id=known.get("device_id"),
+            request_id=known.get("request_id"),
+            seq=known.get("seq"),
+            model=known.get("model"),
             reason=reason,
             label=top["label"] if top else None,
             score=top["score"] if top else None,
@@ -460,6 +603,7 @@ class InferencePipeline:
             partition=work.source.partition,
             event=work.source.event,
             batch_size=result.batch_size if result else None,
+            clock_skew_ms=result.clock_skew_ms if result else None,
         )
 
     def _result(
@@ -469,6 +613,7 @@ class InferencePipeline:
         assert request is not None and model is not None and batch is not None
         assert item.outputs is not None
         now = time.time()
+        e2e_ms, skew_ms = self._e2e_ms(work, request, now)
         result = InferenceResult(
             request_id=request.request_id,
             device_id=request.device_id,
@@ -479,11 +624,12 @@ class InferencePipeline:
             attempt=work.attempt,
             queue_ms=round((batch.started_at - work.source.received_at) * 1000.0, 3),
             infer_ms=round(item.infer_ms, 3),
-            e2e_ms=round((now - request.ts) * 1000.0, 3),
+            e2e_ms=e2e_ms,
             batch_id=f"{self.worker}/{batch.batch_id}",
             batch_size=batch.size,
             worker=self.worker,
             ts=now,
+            clock_skew_ms=skew_ms,
         )
         self.stats.results += 1
         value = encode_result(result.to_dict(), self.settings.result_codec)
@@ -491,6 +637,37 @@ class InferencePipeline:
             self.settings.result_topic, request.device_id.encode(), value,
             self._outcome("result", work, result=result),
         )
+
+    def _e2e_ms(
+        self, work: _Work, request: InferenceRequest, now: float
+    ) -> tuple[float, float | None]:
+        """End-to-end latency of a result and the device clock's skew (docs/faults.md).
+
+        The device's ``ts`` is trusted when it lies within ``max_clock_skew_s`` of the time the
+        request reached Kafka: the request record's timestamp (set by the producer or the
+        broker), or, for a record without one, when this worker read it; for a retry, when its
+        first attempt failed. Otherwise the latency runs from that time, and the skew is
+        reported.
+
+        Returns:
+            ``(e2e_ms, clock_skew_ms)``: milliseconds, ``e2e_ms >= 0``; ``clock_skew_ms`` is
+            ``ts`` minus the reference time (positive: device clock ahead), or None when ``ts``
+            was trusted.
+        """
+        source = work.source
+        if source.retry is not None:
+            arrived = source.retry.first_failed_ts
+        else:
+            stamp = getattr(getattr(source.event, "message", None), "timestamp", None)
+            if isinstance(stamp, int | float) and math.isfinite(stamp) and stamp > 0:
+                arrived = float(stamp)
+            else:
+                arrived = now - (time.monotonic() - source.received_at)
+        skew = request.ts - arrived
+        bound = float(getattr(self.settings, "max_clock_skew_s", 300.0))
+        if abs(skew) <= bound:
+            return round(max(now - request.ts, 0.0) * 1000.0, 3), None
+        return round(max(now - arrived, 0.0) * 1000.0, 3), round(skew * 1000.0, 3)
 
     def _retry(
         self, work: _Work, error: BaseException
@@ -536,8 +713,14 @@ class InferencePipeline:
 
     def _dead_letter(
         self, work: _Work, error: BaseException, errors: list[dict[str, Any]] | None = None,
-        reason: str | None = None, keep_value: bool = True,
+        reason: str | None = None, small: bool = False,
     ) -> tuple[str, bytes | None, bytes, Outcome]:
+        """The dead letter of a request, with every id that could be read (from the decoded
+        request, else from what the rejected value held: ``InvalidRequestError.fields``).
+
+        ``small``: the form for ``unproducible_outcome`` — value left out, key and ids cut,
+        error messages clipped — so that it can be produced whatever the request held.
+        """
         own_reason, stage = self._reason(work, error)
         reason = reason or own_reason
         previous = work.source.retry
@@ -548,32 +731,62 @@ class InferencePipeline:
         source = work.source
         log.warning(
             "dead letter %s from %s[%d]@%d: %s",
-            reason, source.topic, source.partition, source.offset, error,
+            reason, source.topic, source.partition, source.offset,
+            _clip(str(error), _SMALL_MESSAGE_CHARS),
         )
+        ids = self._ids(work, error)
         original = previous.value if previous else (source.value or b"")
+        key = previous.key if previous else source.key
         extra: dict[str, Any] = {}
-        if not keep_value or len(original) > self.settings.max_dead_letter_value_bytes:
+        if small or len(original) > self.settings.max_dead_letter_value_bytes:
             # base64 grows it by 4/3: a large original would not fit in one Kafka record
             extra["value_omitted"] = {
                 "bytes": len(original), "sha256": hashlib.sha256(original).hexdigest(),
             }
             original = b""
+        message, attempts = str(error), len(errors)
+        if small:
+            stage = "produce"
+            if key is not None and len(key) > MAX_ID_CHARS:
+                extra["key_omitted"] = {
+                    "bytes": len(key), "sha256": hashlib.sha256(key).hexdigest(),
+                }
+                key = key[:MAX_ID_CHARS]
+            cut = {name: len(v) for name, v in ids.items()
+                   if isinstance(v, str) and len(v) > MAX_ID_CHARS}
+            if cut:
+                extra["ids_truncated"] = cut  # the original lengths, in characters
+                ids = {n: v[:MAX_ID_CHARS] if isinstance(v, str) else v for n, v in ids.items()}
+            message = _clip(message, _SMALL_MESSAGE_CHARS)
+            errors = [{**e, "message": _clip(str(e.get("message", "")), _SMALL_MESSAGE_CHARS)}
+                      for e in errors[-10:]]
         letter = DeadLetter(
             value=original,
-            key=previous.key if previous else source.key,
-            error={"reason": reason, "type": type(error).__name__, "message": str(error),
+            key=key,
+            error={"reason": reason, "type": type(error).__name__, "message": message,
                    "stage": stage},
-            attempts=len(errors),
+            attempts=attempts,
             first_failed_ts=previous.first_failed_ts if previous else now,
             last_failed_ts=now,
             source=previous.source if previous else self._source(source),
-            request_id=work.request.request_id if work.request else None,
-            device_id=work.request.device_id if work.request else None,
+            request_id=ids.get("request_id"),
+            device_id=ids.get("device_id"),
             worker=self.worker,
             errors=errors,
             extra=extra,
         )
         return (
             self.settings.dlq_topic, letter.key, encode_dead_letter(letter),
-            self._outcome("dead_letter", work, reason=reason),
+            self._outcome("dead_letter", work, reason=reason, ids=ids),
         )
+
+    @staticmethod
+    def _ids(work: _Work, error: BaseException | None) -> dict[str, Any]:
+        """``request_id``, ``device_id``, ``seq``, ``model`` of the decoded request, else
+        whichever of them the rejected value held with the right type (``error.fields``)."""
+        request = work.request
+        if request is not None:
+            return {"request_id": request.request_id, "device_id": request.device_id,
+                    "seq": request.seq, "model": request.model}
+        fields = getattr(error, "fields", None) or {}
+        return {k: fields[k] for k in ("request_id", "device_id", "seq", "model") if k in fields}

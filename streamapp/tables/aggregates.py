@@ -11,6 +11,7 @@ Two kinds of rows, both JSON objects:
      "last_result": {"request_id": "...", "seq": 41, "model": "digits", "label": "3",
                      "score": 0.998, "e2e_ms": 12.5, "ts": 1796000000.2},
      "latency_ewma_ms": {"e2e": 12.1, "queue": 3.0, "infer": 0.9},
+     "clock_skew": {"count": 1, "last_ms": 82800012.5, "last_ts": 1796000000.1},
      "first_seen": 1796000000.0, "last_seen": 1796000000.2,
      "_buckets": {"10000": [1796000000000, ...]}}
 
@@ -24,11 +25,16 @@ Two kinds of rows, both JSON objects:
      "e2e_sum_ms": 130.2, "e2e_n": 11, "e2e_max_ms": 20.1, "labels": {"3": 6, "8": 5}}
 
 The EWMA of a latency ``x`` is ``ewma = alpha * x + (1 - alpha) * ewma``, seeded with the first
-value, applied in the order outcomes were produced.
+value, applied in the order outcomes were produced. Latencies are never negative: the pipeline
+measures ``e2e`` from the record's Kafka timestamp when the device clock is off
+(``clock_skew``: how many results of the device had a skewed clock, and the latest skew, ms;
+docs/faults.md); a negative or non-finite value (a row written before that rule) is ignored, and
+an EWMA that is negative is seeded again.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,6 +76,8 @@ class DeviceDelta:
     latencies: list[tuple[float | None, float | None, float | None]] = field(
         default_factory=list
     )
+    clock_skews: int = 0
+    last_clock_skew: tuple[float, float] | None = None
     last_seq: int | None = None
     last_result: dict[str, Any] | None = None
     first_ts: float | None = None
@@ -90,6 +98,9 @@ class DeviceDelta:
             self.last_seq = outcome.seq
         if kind == "result":
             self.latencies.append((outcome.e2e_ms, outcome.queue_ms, outcome.infer_ms))
+            if outcome.clock_skew_ms is not None:
+                self.clock_skews += 1
+                self.last_clock_skew = (outcome.clock_skew_ms, outcome.ts)
             self.last_result = {
                 "request_id": outcome.request_id, "seq": outcome.seq, "model": outcome.model,
                 "label": outcome.label, "score": outcome.score, "e2e_ms": outcome.e2e_ms,
@@ -114,7 +125,8 @@ def _add_to_bucket(bucket: dict[str, Any], outcome: Outcome) -> None:
         bucket["dead_letters"] += 1
         return
     bucket["results"] += 1
-    if outcome.e2e_ms is not None:
+    if _usable(outcome.e2e_ms):
+        assert outcome.e2e_ms is not None
         bucket["e2e_sum_ms"] += outcome.e2e_ms
         bucket["e2e_n"] += 1
         top = bucket["e2e_max_ms"]
@@ -122,6 +134,11 @@ def _add_to_bucket(bucket: dict[str, Any], outcome: Outcome) -> None:
     if outcome.label is not None:
         labels = bucket["labels"]
         labels[outcome.label] = labels.get(outcome.label, 0) + 1
+
+
+def _usable(ms: float | None) -> bool:
+    """A latency that can enter a mean or an EWMA: a finite number >= 0."""
+    return ms is not None and math.isfinite(ms) and ms >= 0.0
 
 
 def merge_bucket(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> dict[str, Any]:
@@ -176,10 +193,12 @@ def update_stats(
     ewma = dict(old.get("latency_ewma_ms") or {name: None for name in _LATENCIES})
     for values in delta.latencies:
         for name, x in zip(_LATENCIES, values, strict=True):
-            if x is None:
+            if not _usable(x):
                 continue
+            assert x is not None
             prev = ewma.get(name)
-            ewma[name] = x if prev is None else alpha * x + (1.0 - alpha) * prev
+            ewma[name] = alpha * x + (1.0 - alpha) * prev if _usable(prev) and prev is not None \
+                else x
     index: dict[str, list[int]] = {
         str(size): list(starts) for size, starts in (old.get("_buckets") or {}).items()
     }
@@ -208,11 +227,20 @@ def update_stats(
         "last_seq": delta.last_seq if delta.last_seq is not None else old.get("last_seq"),
         "last_result": delta.last_result or old.get("last_result"),
         "latency_ewma_ms": {k: (None if v is None else round(v, 3)) for k, v in ewma.items()},
+        "clock_skew": _clock_skew(old.get("clock_skew"), delta),
         "first_seen": old.get("first_seen", delta.first_ts),
         "last_seen": delta.last_ts if delta.last_ts is not None else old.get("last_seen"),
         "_buckets": {size: starts for size, starts in index.items() if starts},
     }
     return new, expired
+
+
+def _clock_skew(old: Mapping[str, Any] | None, delta: DeviceDelta) -> dict[str, Any]:
+    out = {"count": 0, "last_ms": None, "last_ts": None, **(old or {})}
+    out["count"] = int(out["count"] or 0) + delta.clock_skews
+    if delta.last_clock_skew is not None:
+        out["last_ms"], out["last_ts"] = delta.last_clock_skew
+    return out
 
 
 def public_stats(row: Mapping[str, Any]) -> dict[str, Any]:

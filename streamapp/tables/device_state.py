@@ -9,8 +9,8 @@ is what limits a table-updating agent to a few thousand messages per second
 
 A device is identified by its **record key** (raw bytes) when the outcome came from the request
 topic — the key routing and partitioning use — and by the request's ``device_id`` otherwise
-(retries). Records with neither (no key, undecodable value) are not attributed to a device;
-metrics still count them.
+(retries). Records with neither (no key, undecodable value), or with a key longer than
+:data:`MAX_DEVICE_KEY_BYTES`, are not attributed to a device; metrics still count them.
 
 Counts are at-least-once like the pipeline: after a crash, requests that were processed but not
 committed are processed again and counted again (bounded by the in-flight window).
@@ -36,7 +36,12 @@ from streamapp.tables.aggregates import (
 from streamapp.tables.base import DeviceTables, bucket_key
 from streamapp.tables.windows import WindowKind, WindowPlan
 
-__all__ = ["DeviceStateObserver", "DeviceStateReader", "FlushStats"]
+__all__ = ["MAX_DEVICE_KEY_BYTES", "DeviceStateObserver", "DeviceStateReader", "FlushStats"]
+
+#: Longest device key (bytes) whose rows are kept. A row's key and its ``device_id`` travel in
+#: one changelog record, which must stay far below the producer's 1 MB limit; ids this long are
+#: not ids (issue 10: a 600,000-character device_id). Their outcomes count as unattributed.
+MAX_DEVICE_KEY_BYTES = 1024
 
 log = logging.getLogger(__name__)
 
@@ -93,17 +98,19 @@ class DeviceStateObserver:
             # the gap, whose key is another device's. A decoded request's key equals its
             # device_id (else it is dead-lettered as key_mismatch), so a device_id that differs
             # from the event's key means the event belongs to another record: the device is the
-            # device_id (same partition: both keys hash to it).
-            if device is None or device == key or outcome.reason == "key_mismatch":
+            # device_id (same partition: both keys hash to it). A dead letter stays with the
+            # record's key: its device_id (when readable) was never checked against the key.
+            if device is None or device == key or outcome.kind == "dead_letter":
                 return key, event
             return device, None
-        if outcome.device_id:
+        if outcome.device_id and outcome.reason != "invalid_retry_record":
+            # (the ids of an invalid retry record are whatever its writer put there)
             return outcome.device_id.encode(), None
         return None
 
     def on_outcome(self, outcome: Outcome) -> None:
         device = self._device(outcome)
-        if device is None:
+        if device is None or len(device[0]) > MAX_DEVICE_KEY_BYTES:
             self.stats.unattributed += 1
             return
         key, event = device

@@ -325,6 +325,23 @@ async def test_replay_republishes_original_key_and_value_byte_exact(topics: Sett
 
 
 @pytest.mark.kafka
+async def test_replay_skips_letters_whose_value_was_left_out(topics: Settings) -> None:
+    whole = letter(1, "unproducible_outcome", "cam-1", NOW)
+    cut = letter(2, "unproducible_outcome", "cam-1", NOW, value=b"")
+    cut.extra = {"value_omitted": {"bytes": 999_845, "sha256": "0" * 64}}
+    await publish_letters(topics, [whole, cut])
+
+    report = await replay_dead_letters(
+        topics.bootstrap_servers, topics.dlq_topic, topics.request_topic,
+        where=DeadLetterFilter(reason="unproducible_outcome"),
+    )
+
+    assert (report.matched, report.replayed, report.skipped) == (2, 1, 1)
+    republished = await read_all(topics.bootstrap_servers, topics.request_topic, expect=1)
+    assert republished == [(whole.key, whole.value)]  # never an empty value in its place
+
+
+@pytest.mark.kafka
 async def test_replay_with_null_keys_and_since(topics: Settings) -> None:
     letters = mixed_letters()
     await publish_letters(topics, letters)

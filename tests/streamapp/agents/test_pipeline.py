@@ -28,8 +28,10 @@ from engines.exceptions import EngineRuntimeError, InputSpecError
 from engines.executor import Item, ThreadExecutor
 from engines.registry import load_engine
 from engines.testing import FakeEngine
+from streamapp.agents.observer import Outcome
 from streamapp.agents.pipeline import InferencePipeline, LoadedModel, SourceMessage
 from streamapp.codecs import REASONS, decode_dead_letter, decode_result, encode_request
+from streamapp.metrics import Metrics
 from streamapp.models import ModelConfig, ModelRepository
 from streamapp.records import DeadLetter, InferenceRequest, TensorPayload
 from streamapp.retry import MemoryRetryStore, RetryRecord
@@ -117,6 +119,22 @@ def good(source: Source, pixels: np.ndarray, device: str, seq: int, **kw: Any) -
     return source.message(request_value(pixels, device, seq, **kw), device.encode())
 
 
+class Recorder:
+    """A pipeline observer that keeps every outcome."""
+
+    def __init__(self) -> None:
+        self.outcomes: list[Outcome] = []
+
+    def on_outcome(self, outcome: Outcome) -> None:
+        self.outcomes.append(outcome)
+
+    def on_batch(self, model: str, info: Any) -> None:
+        return None
+
+    async def flush(self) -> None:
+        return None
+
+
 def top_label(probs: np.ndarray) -> str:
     return str(int(np.argmax(probs)))
 
@@ -165,7 +183,8 @@ async def start_pipeline(digits_config: ModelConfig) -> AsyncIterator[StartPipel
     started: list[tuple[InferencePipeline, ThreadExecutor]] = []
 
     async def start(
-        executor: ThreadExecutor, sink: FakeSink, *, retry_store: Any = None, **settings: Any
+        executor: ThreadExecutor, sink: FakeSink, *, retry_store: Any = None,
+        observers: Sequence[Any] = (), **settings: Any
     ) -> InferencePipeline:
         options: dict[str, Any] = {
             "max_batch_size": 4,
@@ -181,6 +200,7 @@ async def start_pipeline(digits_config: ModelConfig) -> AsyncIterator[StartPipel
             sink,
             worker=WORKER,
             retry_store=retry_store,
+            observers=observers,
         )
         await pipeline.start()
         started.append((pipeline, executor))
@@ -341,7 +361,22 @@ class BadCase:
     key: bytes | None
     reason: str
     stage: str
-    decoded: bool  # request_id / device_id known
+    readable: bool  # request_id / device_id / model readable from the value (issue 10, item 4)
+
+
+def _json_with(pixels: np.ndarray, codec: str = "json", **changes: Any) -> bytes:
+    """A valid request (``dev-a-5`` of ``dev-a``) with some fields changed (tensor fields
+    prefixed ``tensor_``)."""
+    value = request_value(pixels, "dev-a", 5, codec=codec)
+    body = msgpack.unpackb(value) if codec == "msgpack" else json.loads(value)
+    for name, new in changes.items():
+        if name.startswith("tensor_"):
+            body["tensor"][name.removeprefix("tensor_")] = new
+        else:
+            body[name] = new
+    if codec == "msgpack":
+        return bytes(msgpack.packb(body, use_bin_type=True))
+    return json.dumps(body).encode()
 
 
 BAD_CASES = {
@@ -355,7 +390,29 @@ BAD_CASES = {
         False,
     ),
     "missing-field": BadCase(
-        lambda px: _json_without("seq", px), b"dev-a", "missing_field", "decode", False
+        lambda px: _json_without("seq", px), b"dev-a", "missing_field", "decode", True
+    ),
+    # rejected after the value parsed: whatever had the right type is kept (issue 10, item 4)
+    "negative-shape": BadCase(
+        lambda px: _json_with(px, tensor_shape=[-8, 8]), b"dev-a", "bad_shape", "decode", True
+    ),
+    "msgpack-negative-shape": BadCase(
+        lambda px: _json_with(px, "msgpack", tensor_shape=[-8, 8]),
+        b"dev-a", "bad_shape", "decode", True,
+    ),
+    "data-length": BadCase(
+        lambda px: _json_with(px, tensor_shape=[4, 8]), b"dev-a", "bad_tensor", "decode", True
+    ),
+    "seq-as-text": BadCase(
+        lambda px: _json_with(px, seq="5"), b"dev-a", "wrong_type", "decode", True
+    ),
+    "ts-in-milliseconds": BadCase(
+        lambda px: _json_with(px, ts=1_700_000_000_000.0), b"dev-a", "bad_timestamp", "decode",
+        True,
+    ),
+    "msgpack-no-tensor": BadCase(
+        lambda px: _json_with(px, "msgpack", tensor=None), b"dev-a", "missing_field", "decode",
+        True,
     ),
     "too-large": BadCase(
         lambda px: b"{" + b" " * (1 << 20) + b"}", b"dev-a", "too_large", "decode", False
@@ -397,8 +454,11 @@ async def test_bad_input_becomes_one_dead_letter(
     offline_probs: Callable[[int], np.ndarray],
     case: BadCase,
 ) -> None:
-    sink, source = FakeSink(), Source()
-    pipeline = await start_pipeline(ThreadExecutor(onnx_engine), sink)
+    sink, source, seen = FakeSink(), Source(), Recorder()
+    metrics = Metrics(["digits"], max_batch_size=4, process_metrics=False)
+    pipeline = await start_pipeline(
+        ThreadExecutor(onnx_engine), sink, observers=[seen, metrics]
+    )
     before = good(source, images[3], "dev-a", 4)
     value = case.value(images[5])
     bad = source.message(value, case.key)
@@ -432,10 +492,20 @@ async def test_bad_input_becomes_one_dead_letter(
     assert letter.error["message"]
     assert letter.source == {"topic": REQUEST_TOPIC, "partition": PARTITION, "offset": bad.offset}
     assert letter.attempts == 1 and letter.worker == WORKER
-    if case.decoded:
+    (rejected,) = [o for o in seen.outcomes if o.kind == "dead_letter"]
+    named = "mnist" if case.reason == "unknown_model" else "digits"
+    if case.readable:
         assert (letter.request_id, letter.device_id) == ("dev-a-5", "dev-a")
+        assert (rejected.request_id, rejected.device_id, rejected.model) == (
+            "dev-a-5", "dev-a", named
+        )
     else:
         assert (letter.request_id, letter.device_id) == (None, None)
+        assert rejected.model is None
+    # /metrics counts it under the (loaded) model it named, when that could be read
+    label = named if case.readable and named == "digits" else "unknown"
+    dead = metrics.dead_letters.labels(label, case.reason)
+    assert dead._value.get() == 1
     assert pipeline.stats.dead_letters == {case.reason: 1}
     assert source.acked == [before.offset, bad.offset, after.offset]
 
@@ -754,3 +824,231 @@ async def test_a_failing_producer_leaves_the_record_unacknowledged_not_dead_lett
     assert [r["seq"] for r in results_of(sink, pipeline)] == [1]
     assert dead_letters_of(sink, pipeline) == []
     assert pipeline.stats.produce_failures == 1
+
+
+# -- outcomes that cannot be produced (issue 10, item 1) -----------------------------------------
+
+
+def _long_id_request(pixels: np.ndarray, *, request_id: str, device: str = "dev-a") -> bytes:
+    body = json.loads(request_value(pixels, device, 0))
+    body["request_id"] = request_id
+    return json.dumps(body).encode()
+
+
+@pytest.mark.parametrize(
+    ("name", "make"),
+    [
+        # a valid request whose result (it repeats the request_id) is over the producer limit
+        ("long-request-id", lambda px: (
+            b"dev-a", _long_id_request(px, request_id="r" * 999_600), "r" * 999_600, "dev-a")),
+        # a valid request of a 600,000-character device (the key matches): result 1.2 MB
+        ("long-device-id", lambda px: (
+            b"d" * 600_000, json.dumps({**json.loads(request_value(px, "d" * 600_000, 0)),
+                                        "request_id": "long-dev"}).encode(),
+            "long-dev", "d" * 600_000)),
+        # an 800,000-byte key with value [1]: its own dead letter would be 1.87 MB
+        ("huge-key-bad-value", lambda px: (b"k" * 800_000, b"[1]", None, None)),
+    ],
+)
+async def test_an_outcome_over_the_producer_limit_becomes_a_small_dead_letter_before_producing(
+    start_pipeline: StartPipeline, onnx_engine: Engine, images: np.ndarray, name: str,
+    make: Callable[[np.ndarray], tuple[bytes, bytes, str | None, str | None]],
+) -> None:
+    key, value, request_id, device_id = make(images[0])
+    sink, source = FakeSink(), Source()
+    pipeline = await start_pipeline(
+        ThreadExecutor(onnx_engine), sink, max_batch_size=1, max_request_bytes=2_000_000
+    )
+    bad = source.message(value, key)
+    await pipeline.handle(bad)
+    await pipeline.handle(good(source, images[1], "dev-a", 1))
+    await wait_for(lambda: len(source.acked) == 2)
+
+    assert source.acked == [bad.offset, bad.offset + 1]  # the partition's commit moves on
+    assert [r["seq"] for r in results_of(sink, pipeline)] == [1]
+    (letter,) = dead_letters_of(sink, pipeline)
+    assert all(len(s.value) + len(s.key or b"") < 1_000_000 for s in sink.sent)
+    assert letter.error["reason"] == "unproducible_outcome"
+    assert letter.error["stage"] == "produce"
+    assert "max_produce_bytes=1000000" in letter.error["message"]
+    assert letter.source == {"topic": REQUEST_TOPIC, "partition": PARTITION, "offset": bad.offset}
+    assert letter.value == b"" and letter.extra["value_omitted"] == {
+        "bytes": len(value), "sha256": hashlib.sha256(value).hexdigest()
+    }
+    # ids cut to 256 characters, their lengths kept; a long key is cut the same way
+    assert letter.request_id == (request_id[:256] if request_id else None)
+    assert letter.device_id == (device_id[:256] if device_id else None)
+    long_ids = {n: len(v) for n, v in (("request_id", request_id), ("device_id", device_id))
+                if v is not None and len(v) > 256}
+    assert letter.extra.get("ids_truncated", {}) == long_ids
+    assert letter.key == key[:256]
+    if len(key) > 256:
+        assert letter.extra["key_omitted"] == {
+            "bytes": len(key), "sha256": hashlib.sha256(key).hexdigest()
+        }
+    assert pipeline.stats.dead_letters.get("unproducible_outcome") == 1
+
+
+class RefusingSink(FakeSink):
+    """Accepts every record, then the broker refuses those of ``topics`` (their ack futures
+    fail with ``error``); raising ``send_error`` from ``send`` itself for ``raise_topics``."""
+
+    def __init__(self, topics: set[str], error: BaseException,
+                 raise_topics: set[str] = frozenset()) -> None:  # type: ignore[assignment]
+        super().__init__()
+        self.topics, self.error, self.raise_topics = topics, error, raise_topics
+
+    async def send(self, topic: str, key: bytes | None, value: bytes) -> asyncio.Future[None]:
+        if topic in self.raise_topics:
+            raise self.error
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.sent.append(Sent(topic, key, value, future))
+        if topic in self.topics:
+            future.set_exception(self.error)
+        else:
+            future.set_result(None)
+        return future
+
+
+async def test_a_result_the_broker_refuses_for_good_is_answered_by_a_small_dead_letter(
+    start_pipeline: StartPipeline, onnx_engine: Engine, images: np.ndarray
+) -> None:
+    from aiokafka.errors import MessageSizeTooLargeError
+
+    # e.g. the result topic's max.message.bytes is below the producer's limit
+    sink, source = RefusingSink({"inference-result"}, MessageSizeTooLargeError()), Source()
+    pipeline = await start_pipeline(ThreadExecutor(onnx_engine), sink, max_batch_size=1)
+    message = good(source, images[0], "dev-a", 0)
+    await pipeline.handle(message)
+    await wait_for(lambda: len(source.acked) == 1)
+
+    (letter,) = dead_letters_of(sink, pipeline)
+    assert (letter.request_id, letter.error["reason"]) == ("dev-a-0", "unproducible_outcome")
+    assert letter.source["offset"] == message.offset
+    assert pipeline.stats.unwritable == 0
+
+
+async def test_a_record_with_no_producible_outcome_is_still_finished_and_counted(
+    start_pipeline: StartPipeline, onnx_engine: Engine, images: np.ndarray,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from aiokafka.errors import MessageSizeTooLargeError
+    from faust.exceptions import ProducerSendError
+
+    # Faust wraps the producer's error; neither the result nor the dead letter can be written
+    refused = ProducerSendError("Error while sending")
+    refused.__cause__ = MessageSizeTooLargeError()
+    sink = RefusingSink(set(), refused, raise_topics={"inference-result", "inference-dlq"})
+    source = Source()
+    pipeline = await start_pipeline(ThreadExecutor(onnx_engine), sink, max_batch_size=1)
+    first = good(source, images[0], "dev-a", 0)
+    await pipeline.handle(first)
+    await wait_for(lambda: len(source.acked) == 1)
+
+    assert source.acked == [first.offset]  # never a reason to stop committing the partition
+    assert sink.sent == []
+    assert pipeline.stats.unwritable == 1
+    assert any(r.levelname == "ERROR" and f"{REQUEST_TOPIC}[{PARTITION}]@{first.offset}"
+               in r.getMessage() for r in caplog.records)
+
+
+async def test_a_refused_dead_letter_is_not_replaced_again_and_the_record_finishes(
+    start_pipeline: StartPipeline, onnx_engine: Engine, images: np.ndarray
+) -> None:
+    from aiokafka.errors import RecordListTooLargeError
+
+    sink = RefusingSink({"inference-dlq"}, RecordListTooLargeError())
+    source = Source()
+    pipeline = await start_pipeline(ThreadExecutor(onnx_engine), sink, max_batch_size=1)
+    bad = source.message(b"[1]", b"dev-a")
+    await pipeline.handle(bad)
+    await wait_for(lambda: len(source.acked) == 1)
+
+    reasons = [decode_dead_letter(s.value).error["reason"] for s in sink.sent]
+    assert reasons == ["wrong_type", "unproducible_outcome"]  # then nothing more is tried
+    assert pipeline.stats.unwritable == 1
+
+
+# -- untrusted device clocks (issue 10, item 3) --------------------------------------------------
+
+
+@dataclass
+class _Message:
+    topic: str
+    key: bytes
+    timestamp: float
+
+
+@dataclass
+class _Event:
+    message: _Message
+
+
+@pytest.mark.parametrize("skew_s", [82_800.0, -7_200.0, -86_400.0 * 3], ids=["ahead-23h",
+                                                                               "behind-2h",
+                                                                               "behind-3d"])
+@pytest.mark.parametrize("stamped", [True, False], ids=["record-timestamp", "no-timestamp"])
+async def test_a_wrong_device_clock_does_not_distort_latency_stats_or_windows(
+    start_pipeline: StartPipeline, onnx_engine: Engine, images: np.ndarray, skew_s: float,
+    stamped: bool,
+) -> None:
+    import time
+
+    from streamapp.tables import (
+        DeviceStateObserver,
+        DeviceStateReader,
+        MemoryDeviceTables,
+        WindowPlan,
+    )
+
+    tables = MemoryDeviceTables()
+    plan = WindowPlan(tumbling_ms=60_000, hopping_ms=120_000, step_ms=60_000,
+                      expires_ms=600_000)
+    observer = DeviceStateObserver(tables, plan, request_topic=REQUEST_TOPIC, ewma_alpha=0.2)
+    sink, source = FakeSink(), Source()
+    pipeline = await start_pipeline(ThreadExecutor(onnx_engine), sink, max_batch_size=1,
+                                    observers=[observer])
+    for seq in range(21):
+        now = time.time()
+        ts = now + skew_s if seq == 0 else now - 0.05  # one request from a wrong clock
+        body = json.loads(request_value(images[seq], "dev-c", seq))
+        body["ts"] = ts
+        message = source.message(json.dumps(body).encode(), b"dev-c")
+        if stamped:  # the record reached Kafka 20 ms before the worker read it
+            message.event = _Event(_Message(REQUEST_TOPIC, b"dev-c", now - 0.02))
+        await pipeline.handle(message)
+        await wait_for(lambda s=seq: len(source.acked) == s + 1)
+
+    results = results_of(sink, pipeline)
+    first = results[0]
+    assert 0.0 <= first["e2e_ms"] < 5_000.0  # from the record timestamp / read time, not ts
+    assert first["clock_skew_ms"] == pytest.approx(skew_s * 1000.0, abs=5_000.0)
+    assert all(r["clock_skew_ms"] is None for r in results[1:])
+    assert all(0.0 <= r["e2e_ms"] < 5_000.0 for r in results)
+    stats = DeviceStateReader(tables, plan).stats(b"dev-c")
+    assert stats is not None
+    assert 0.0 <= stats["latency_ewma_ms"]["e2e"] < 5_000.0
+    assert stats["clock_skew"]["count"] == 1
+    assert stats["clock_skew"]["last_ms"] == first["clock_skew_ms"]
+    windows = DeviceStateReader(tables, plan).windows(b"dev-c", "tumbling", 2)
+    assert windows is not None
+    means = [w["e2e_mean_ms"] for w in windows if w["results"]]
+    assert means and all(0.0 <= m < 5_000.0 for m in means)
+
+
+async def test_a_clock_within_the_skew_bound_is_trusted_and_never_gives_a_negative_latency(
+    start_pipeline: StartPipeline, onnx_engine: Engine, images: np.ndarray
+) -> None:
+    import time
+
+    sink, source = FakeSink(), Source()
+    pipeline = await start_pipeline(ThreadExecutor(onnx_engine), sink, max_batch_size=1)
+    for seq, offset_s in enumerate((-30.0, 2.0)):  # 30 s old (trusted), 2 s ahead (trusted)
+        body = json.loads(request_value(images[seq], "dev-c", seq))
+        body["ts"] = time.time() + offset_s
+        await pipeline.handle(source.message(json.dumps(body).encode(), b"dev-c"))
+    await wait_for(lambda: len(source.acked) == 2)
+
+    old, ahead = results_of(sink, pipeline)
+    assert old["e2e_ms"] >= 30_000.0 and old["clock_skew_ms"] is None
+    assert ahead["e2e_ms"] == 0.0 and ahead["clock_skew_ms"] is None

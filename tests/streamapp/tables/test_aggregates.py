@@ -113,3 +113,28 @@ def test_buckets_older_than_expiry_are_reported_for_deletion() -> None:
     assert expired == [(10_000, 1_000_000)]  # ended at 1010 s, more than 60 s before 1075 s
     assert row["_buckets"] == {"10000": [1_070_000]}
     assert "_buckets" not in public_stats(row)
+
+
+def test_a_negative_latency_from_an_old_row_is_reseeded_and_never_averaged() -> None:
+    # a row written before e2e was measured from the record timestamp on a skewed clock
+    old, _ = update_stats(None, delta_of(outcome(e2e=10.0)), PLAN, alpha=0.5, now_s=1_000.0)
+    old["latency_ewma_ms"]["e2e"] = -10_066_519.0
+    row, _ = update_stats(old, delta_of(outcome(seq=1, e2e=12.0)), PLAN, alpha=0.5,
+                          now_s=1_000.0)
+    assert row["latency_ewma_ms"]["e2e"] == 12.0  # seeded again, not -5,033,253
+    bad = delta_of(outcome(seq=2, e2e=-82_799_881.0), outcome(seq=3, e2e=float("nan")),
+                   outcome(seq=4, e2e=20.0))
+    row, _ = update_stats(row, bad, PLAN, alpha=0.5, now_s=1_000.0)
+    assert row["latency_ewma_ms"]["e2e"] == 16.0
+    for bucket in bad.buckets.values():  # the tumbling and the hopping bucket
+        assert (bucket["e2e_n"], bucket["e2e_sum_ms"], bucket["e2e_max_ms"]) == (1, 20.0, 20.0)
+        assert bucket["results"] == 3
+
+
+def test_skewed_clocks_are_counted_per_device() -> None:
+    skewed = outcome(seq=1)
+    skewed.clock_skew_ms, skewed.ts = 82_800_000.0, 1_001.0
+    row, _ = update_stats(None, delta_of(outcome(), skewed), PLAN, alpha=0.5, now_s=1_001.0)
+    assert row["clock_skew"] == {"count": 1, "last_ms": 82_800_000.0, "last_ts": 1_001.0}
+    row, _ = update_stats(row, delta_of(outcome(seq=2)), PLAN, alpha=0.5, now_s=1_002.0)
+    assert row["clock_skew"]["count"] == 1

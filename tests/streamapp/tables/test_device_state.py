@@ -104,16 +104,29 @@ async def test_the_record_key_identifies_the_device_and_retries_use_device_id() 
     # key mismatch: the row goes to the record key (the partition owner's key)
     observer.on_outcome(result("cam9", 0, 1_000.0, key=b"gateway-key",
                                kind="dead_letter", reason="key_mismatch"))
+    # any dead letter whose value named another device (read from a rejected value) too
+    observer.on_outcome(result("cam8", 0, 1_000.0, key=b"gateway-key",
+                               kind="dead_letter", reason="bad_shape"))
+    # a 600,000-byte device key: no row (its changelog record would be too large to produce)
+    observer.on_outcome(result("d" * 600_000, 0, 1_000.0, key=b"d" * 600_000,
+                               kind="dead_letter", reason="unproducible_outcome"))
     # a retried request arrives from the retry topic, keyed by request id
     observer.on_outcome(result("cam1", 1, 1_000.0, topic="inference-retry", key=b"cam1-1",
                                kind="retry", reason="engine_oom"))
+    # an invalid retry record names a device nobody checked: not attributable
+    observer.on_outcome(result("cam7", 0, 1_000.0, topic="inference-retry", key=b"rr-nb",
+                               kind="dead_letter", reason="invalid_retry_record"))
     # undecodable value, no key: not attributable
     anonymous = result("x", 0, 1_000.0, key=b"", kind="dead_letter", reason="invalid_json")
     anonymous.device_id = None
     observer.on_outcome(anonymous)
     await observer.flush()
     assert sorted(tables.stats) == [b"cam1", b"gateway-key"]
-    assert observer.stats.unattributed == 1
+    assert observer.stats.unattributed == 3
+    gateway = reader.stats(b"gateway-key")
+    assert gateway is not None and gateway["dead_letters_by_reason"] == {
+        "key_mismatch": 1, "bad_shape": 1
+    }
     cam1 = reader.stats(b"cam1")
     assert cam1 is not None and cam1["retries_by_reason"] == {"engine_oom": 1}
     assert cam1["total"] == 0
