@@ -378,7 +378,10 @@ def dlq_replay(
 @cli.command()
 def status(
     urls: Annotated[Optional[list[str]], typer.Argument(
-        help="Worker web URLs (default: http://127.0.0.1:<STREAMAPP_WEB_PORT>).")] = None,
+        help="Worker web URLs (default: the workers a `worker --processes N` lists in "
+        "<data_dir>/supervisor.json, else http://127.0.0.1:<STREAMAPP_WEB_PORT>).")] = None,
+    data_dir: Annotated[Optional[Path], typer.Option(help="Where a supervisor's "
+                        "supervisor.json is looked for (env STREAMAPP_DATA_DIR).")] = None,
     watch: Annotated[bool, typer.Option("--watch", "-w", help="Refresh until Ctrl-C.")] = False,
     interval: Annotated[float, typer.Option(min=0.1, help="Seconds between the two scrapes "
                         "that rates are computed from (and between refreshes).")] = 2.0,
@@ -391,15 +394,18 @@ def status(
     Exits 1 when a worker is unreachable or not ready (without --watch).
     """
     from streamapp.settings import load_settings
-    from streamapp.status import run_status
+    from streamapp.status import run_status, supervised_urls
 
+    restarts = None
     if not urls:
         try:
-            urls = [f"http://127.0.0.1:{load_settings().web_port}"]
+            current = load_settings(data_dir=data_dir)
         except StreamAppError as exc:
             raise _fail(str(exc)) from None
+        restarts = supervised_urls(current.data_dir)
+        urls = list(restarts) if restarts else [f"http://127.0.0.1:{current.web_port}"]
     raise typer.Exit(run_status(urls, interval_s=interval, watch=watch, top=top,
-                                discover_peers=discover))
+                                discover_peers=discover, restarts=restarts))
 
 
 def main() -> None:
