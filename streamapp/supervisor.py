@@ -27,8 +27,12 @@ So this module is a small supervisor on ``asyncio`` subprocesses; Faust inside e
 the hard part (drain, commit, leave the group).
 
 Static membership after a restart (docs/scaling.md, "Restarts and static membership"): each
-restart of a child gets a new instance id suffix (``<id>-<i>``, then ``<id>-<i>r1``, ...), so the
-restarted member never reuses the id of the killed one, which the broker may still hold.
+restart of a child gets a new instance id (``<id>-<i>``, then ``<id>-<i>r1``, ...). The embedded
+broker (Tansu 0.6) hands a static member that rejoins before its old session expired the old
+member id and, when its metadata changed (a restarted Faust worker's always does: it carries the
+member's assignment), starts a rebalance without raising the generation, so the other members
+never rejoin and the restarted one loops on JoinGroup without partitions
+(``scripts/repro_static_rejoin.py``). A new id makes it a new member on every broker.
 """
 
 from __future__ import annotations
