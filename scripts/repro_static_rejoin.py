@@ -1,17 +1,18 @@
 """Reproduce the embedded broker's static-membership rejoin bug with plain aiokafka consumers.
 
-Two consumers with static group instance ids share an 8-partition topic; one is SIGKILLed and
-restarted at once (before its session expires) with a *different subscription* (one more topic),
-which changes its JoinGroup metadata as a restarted Faust worker's does (Faust's assignor puts the
-member's current assignment into the metadata). With ``--same-id`` it reuses its instance id, as
-a worker restarted in place does; otherwise it gets a new one, as ``streamapp worker
---processes N`` gives each restart. Prints per try whether the restarted member got partitions
-within ``--wait-s``. docs/scaling.md explains the cause.
+Two consumers with static group instance ids share an 8-partition topic: ``a`` joins first (the
+group leader), then ``b``. ``b`` is SIGKILLed and restarted at once (before its session expires)
+with a *different subscription* (one more topic), which changes its JoinGroup metadata as a
+restarted Faust worker's does (Faust's assignor puts the member's current assignment into the
+metadata). ``--restart-as same`` reuses its instance id, as a worker restarted in place does;
+``new`` gives it another static id; ``dynamic`` none, as ``streamapp worker --processes N`` does
+for a restarted child. Prints per try whether the restarted member got partitions within
+``--wait-s``. docs/scaling.md explains the cause.
 
 Usage::
 
-    python scripts/repro_static_rejoin.py --tries 10 --same-id    # the bug: 0/10 on Tansu 0.6
-    python scripts/repro_static_rejoin.py --tries 10              # a new id per restart
+    python scripts/repro_static_rejoin.py --tries 10 --restart-as same      # the bug
+    python scripts/repro_static_rejoin.py --tries 10 --restart-as dynamic   # the supervisor's way
 
 Needs nothing but this package (it starts the embedded broker); about 15-45 s per try.
 """
@@ -36,6 +37,7 @@ import asyncio, sys
 from aiokafka import AIOKafkaConsumer
 from aiokafka.abc import ConsumerRebalanceListener
 boot, group, instance, *topics = sys.argv[1:]
+instance = instance or None
 class Listener(ConsumerRebalanceListener):
     def on_partitions_revoked(self, revoked): pass
     def on_partitions_assigned(self, assigned):
@@ -75,7 +77,7 @@ def _assigned(log: Path, timeout_s: float) -> float | None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tries", type=int, default=10)
-    parser.add_argument("--same-id", action="store_true", help="restart with the same id")
+    parser.add_argument("--restart-as", choices=("same", "new", "dynamic"), default="dynamic")
     parser.add_argument("--wait-s", type=float, default=30.0)
     args = parser.parse_args()
     ok = 0
@@ -86,23 +88,23 @@ def main() -> int:
             create_topics(broker.bootstrap_servers, {topic: 8, extra: 1})
             logs = {name: Path(tmp) / f"{attempt}-{name}.log" for name in ("a", "b", "b2")}
             a = _start(broker.bootstrap_servers, group, "a", [topic], logs["a"])
+            if _assigned(logs["a"], 60) is None:
+                print(f"try {attempt}: member a never got partitions", file=sys.stderr)
             b = _start(broker.bootstrap_servers, group, "b", [topic], logs["b"])
-            for name in ("a", "b"):
-                if _assigned(logs[name], 60) is None:
-                    print(f"try {attempt}: member {name} never got partitions", file=sys.stderr)
+            if _assigned(logs["b"], 60) is None:
+                print(f"try {attempt}: member b never got partitions", file=sys.stderr)
             os.killpg(b.pid, signal.SIGKILL)
             b.wait()
-            instance = "b" if args.same_id else "b-r1"
+            instance = {"same": "b", "new": "b-r1", "dynamic": ""}[args.restart_as]
             b = _start(broker.bootstrap_servers, group, instance, [topic, extra], logs["b2"])
             took = _assigned(logs["b2"], args.wait_s)
             ok += took is not None
-            print(f"try {attempt}: restarted member ({instance}) got partitions: "
+            print(f"try {attempt}: restarted member ({instance or 'dynamic'}) got partitions: "
                   f"{'no' if took is None else f'after {took:.1f} s'}", flush=True)
             for proc in (a, b):
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-    print(f"{'same' if args.same_id else 'new'} instance id: {ok}/{args.tries} restarted members "
-          "got partitions")
+    print(f"restarted as {args.restart_as}: {ok}/{args.tries} restarted members got partitions")
     return 0
 
 

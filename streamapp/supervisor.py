@@ -26,13 +26,16 @@ exponential backoff, signal forwarding with a drain timeout, Python 3.11, mainta
 So this module is a small supervisor on ``asyncio`` subprocesses; Faust inside each child does
 the hard part (drain, commit, leave the group).
 
-Static membership after a restart (docs/scaling.md, "Restarts and static membership"): each
-restart of a child gets a new instance id (``<id>-<i>``, then ``<id>-<i>r1``, ...). The embedded
-broker (Tansu 0.6) hands a static member that rejoins before its old session expired the old
-member id and, when its metadata changed (a restarted Faust worker's always does: it carries the
-member's assignment), starts a rebalance without raising the generation, so the other members
-never rejoin and the restarted one loops on JoinGroup without partitions
-(``scripts/repro_static_rejoin.py``). A new id makes it a new member on every broker.
+Static membership after a restart (docs/scaling.md, "Restarts and static membership"): a child
+starts with its static instance id, and a restarted child joins with dynamic membership (no
+instance id). On the embedded broker (Tansu 0.6) a static member that rejoins before its old
+session expired gets the old member id back and, when its metadata changed (a restarted Faust
+worker's always does: it carries the member's assignment), a rebalance starts without a new
+generation, so the other members never rejoin and the restarted one loops on JoinGroup without
+partitions (``scripts/repro_static_rejoin.py``); a restart under a new static id stalls instead
+when the dead member was the group leader, because Tansu evicts expired members only while
+handling requests of dynamic members. A dynamic restart is a new member on every broker, and
+its requests let Tansu evict the dead static member once its session has expired.
 """
 
 from __future__ import annotations
@@ -171,14 +174,16 @@ class ChildSpec:
     worker_name: str | None = None
 
     def instance_id_after(self, restarts: int) -> str:
-        """The instance id of the ``restarts``-th restart (see the module docstring)."""
-        return self.instance_id if restarts == 0 else f"{self.instance_id}r{restarts}"
+        """The group instance id at the ``restarts``-th restart: the static id at the first
+        start, empty (dynamic membership) after a restart (see the module docstring)."""
+        return self.instance_id if restarts == 0 else ""
 
     def environment(self, restarts: int = 0) -> dict[str, str]:
         """The ``STREAMAPP_*`` (and ``CUDA_VISIBLE_DEVICES``) variables of this child."""
         env = {
             "STREAMAPP_DATA_DIR": str(self.data_dir),
             "STREAMAPP_WEB_PORT": str(self.web_port),
+            # empty: dynamic membership (a restarted child, see the module docstring)
             "STREAMAPP_GROUP_INSTANCE_ID": self.instance_id_after(restarts),
         }
         if self.gpu is not None:
@@ -421,7 +426,8 @@ class Supervisor:
         log.info(
             "supervisor: worker %d started (pid %d, port %d, data %s, instance %s, gpu %s%s)",
             spec.index, child.pid, spec.web_port, spec.data_dir,
-            env["STREAMAPP_GROUP_INSTANCE_ID"], spec.gpu if spec.gpu is not None else "-",
+            env["STREAMAPP_GROUP_INSTANCE_ID"] or "none (dynamic)",
+            spec.gpu if spec.gpu is not None else "-",
             f", restart {child.restarts}" if child.restarts else "",
         )
         self._write_state()
