@@ -528,8 +528,9 @@ def run_supervisor(settings: Any, n: int, flags: Mapping[str, Any]) -> int:
             settings.topic_partitions, n, n - settings.topic_partitions, n,
         )
     gpus = visible_gpus()
+    data_dir = Path(settings.data_dir).resolve()
     specs = plan_children(
-        n, data_dir=settings.data_dir, web_port=settings.web_port,
+        n, data_dir=data_dir, web_port=settings.web_port,
         group_instance_id=settings.group_instance_id, worker_name=settings.worker_name,
         gpus=gpus,
     )
@@ -542,7 +543,7 @@ def run_supervisor(settings: Any, n: int, flags: Mapping[str, Any]) -> int:
                 ",".join(map(str, value)) if isinstance(value, list | tuple) else str(value)
             )
     supervisor = Supervisor(
-        specs, environ=environ, state_path=Path(settings.data_dir) / STATE_NAME,
+        specs, environ=environ, state_path=data_dir / STATE_NAME,
         stop_timeout_s=max(30.0, 2 * settings.session_timeout_s),
     )
     return asyncio.run(supervisor.run())
