@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from typing import Any
 
 import faust
@@ -225,7 +226,12 @@ def create_app(settings: Settings | None = None) -> faust.App:
 def __getattr__(name: str) -> Any:
     # ``faust -A streamapp.app`` looks up ``app`` here; build it from the environment once.
     if name == "app":
-        built = create_app()
+        settings = load_settings()
+        if "worker" in sys.argv[1:]:  # `faust -A streamapp.app worker`: one per data dir
+            from streamapp.datadir import lock_data_dir
+
+            lock_data_dir(settings.data_dir)
+        built = create_app(settings)
         globals()["app"] = built
         return built
     raise AttributeError(name)

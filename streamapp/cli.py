@@ -66,30 +66,43 @@ def worker(
     max_inflight_batches: Annotated[Optional[int], typer.Option()] = None,
     topic_prefix: Annotated[Optional[str], typer.Option()] = None,
     topic_partitions: Annotated[Optional[int], typer.Option()] = None,
-    web_port: Annotated[Optional[int], typer.Option()] = None,
+    web_port: Annotated[Optional[int], typer.Option(help="Web port (with --processes: of the "
+                        "first worker; worker i gets web_port + i).")] = None,
     web_bind: Annotated[Optional[str], typer.Option()] = None,
-    data_dir: Annotated[Optional[Path], typer.Option()] = None,
+    data_dir: Annotated[Optional[Path], typer.Option(help="Data directory (tables); one "
+                        "worker per directory. With --processes: worker i uses "
+                        "<data_dir>/worker-<i>.")] = None,
     log_level: Annotated[Optional[str], typer.Option()] = None,
+    processes: Annotated[Optional[int], typer.Option(
+        min=1, help="Run and supervise N worker processes of one group on this host (own "
+        "data dir, web port, group instance id and GPU each; restarted when they die). "
+        "See docs/scaling.md.")] = None,
 ) -> None:
     """Run a worker: consume requests, batch, infer, produce results and dead letters.
 
     Every option can also be set as an environment variable STREAMAPP_<OPTION> (flags win).
     """
-    from streamapp.app import create_app
-    from streamapp.faust_compat import make_worker
+    from streamapp.datadir import lock_data_dir
     from streamapp.kafka import create_topics, kafka_security_options
     from streamapp.settings import load_settings
 
+    flags: dict[str, Any] = dict(
+        broker=broker, app_id=app_id, backend=backend, models=models,
+        max_batch_size=max_batch_size, max_batch_delay_ms=max_batch_delay_ms,
+        max_inflight_batches=max_inflight_batches, topic_prefix=topic_prefix,
+        topic_partitions=topic_partitions, web_port=web_port, web_bind=web_bind,
+        data_dir=data_dir, log_level=log_level,
+    )
     try:
-        settings = load_settings(
-            broker=broker, app_id=app_id, backend=backend, models=models,
-            max_batch_size=max_batch_size, max_batch_delay_ms=max_batch_delay_ms,
-            max_inflight_batches=max_inflight_batches, topic_prefix=topic_prefix,
-            topic_partitions=topic_partitions, web_port=web_port, web_bind=web_bind,
-            data_dir=data_dir, log_level=log_level,
-        )
-        app = create_app(settings)
-        app.streamapp_runtime.preload()  # type: ignore[attr-defined]
+        settings = load_settings(**flags)
+        # One process per data directory (RocksDB): fail here, before joining the group.
+        lock_data_dir(settings.data_dir, holder="supervisor" if processes else "worker")
+        app = None
+        if processes is None:
+            from streamapp.app import create_app
+
+            app = create_app(settings)
+            app.streamapp_runtime.preload()  # type: ignore[attr-defined]
         # Create our topics with the configured partition count before Faust touches them:
         # brokers that auto-create topics (Tansu does) would otherwise pick their default.
         create_topics(
@@ -100,6 +113,12 @@ def worker(
         )
     except (StreamAppError, EngineError) as exc:
         raise _fail(str(exc)) from None
+    if app is None:
+        from streamapp.supervisor import run_supervisor
+
+        raise typer.Exit(run_supervisor(settings, processes or 1, flags))
+    from streamapp.faust_compat import make_worker
+
     make_worker(app, settings.log_level).execute_from_commandline()
 
 
@@ -359,7 +378,10 @@ def dlq_replay(
 @cli.command()
 def status(
     urls: Annotated[Optional[list[str]], typer.Argument(
-        help="Worker web URLs (default: http://127.0.0.1:<STREAMAPP_WEB_PORT>).")] = None,
+        help="Worker web URLs (default: the workers a `worker --processes N` lists in "
+        "<data_dir>/supervisor.json, else http://127.0.0.1:<STREAMAPP_WEB_PORT>).")] = None,
+    data_dir: Annotated[Optional[Path], typer.Option(help="Where a supervisor's "
+                        "supervisor.json is looked for (env STREAMAPP_DATA_DIR).")] = None,
     watch: Annotated[bool, typer.Option("--watch", "-w", help="Refresh until Ctrl-C.")] = False,
     interval: Annotated[float, typer.Option(min=0.1, help="Seconds between the two scrapes "
                         "that rates are computed from (and between refreshes).")] = 2.0,
@@ -372,15 +394,18 @@ def status(
     Exits 1 when a worker is unreachable or not ready (without --watch).
     """
     from streamapp.settings import load_settings
-    from streamapp.status import run_status
+    from streamapp.status import run_status, supervised_urls
 
+    restarts = None
     if not urls:
         try:
-            urls = [f"http://127.0.0.1:{load_settings().web_port}"]
+            current = load_settings(data_dir=data_dir)
         except StreamAppError as exc:
             raise _fail(str(exc)) from None
+        restarts = supervised_urls(current.data_dir)
+        urls = list(restarts) if restarts else [f"http://127.0.0.1:{current.web_port}"]
     raise typer.Exit(run_status(urls, interval_s=interval, watch=watch, top=top,
-                                discover_peers=discover))
+                                discover_peers=discover, restarts=restarts))
 
 
 def main() -> None:

@@ -61,9 +61,10 @@ class Settings(BaseSettings):
     app_id: str = Field("streamapp", description="Faust app id = Kafka consumer group id.")
     topic_prefix: str = Field("", description="Prefix for every topic name, e.g. 'prod.'.")
     topic_partitions: int = Field(
-        8, ge=1,
+        16, ge=1,
         description="Partitions of the request, result, DLQ and retry topics when the worker "
-        "creates them (and of the tables' changelogs); the most workers that can share the load.",
+        "creates them (and of the tables' changelogs); the most workers that can share the load "
+        "(16: room for `worker --processes 12` on one host, docs/scaling.md).",
     )
     topic_replication_factor: int = Field(
         1, ge=1,

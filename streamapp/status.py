@@ -6,6 +6,10 @@ end-to-end latency p50/p99 over the interval (from the ``streamapp_e2e_duration_
 interpolated within buckets as Prometheus' ``histogram_quantile`` does), mean batch size,
 in-flight batches, consumer lag and partitions, plus the busiest devices. With discovery on, the
 first worker's ``/cluster`` names the others.
+
+Workers started by ``streamapp worker --processes N`` are found without URLs: the supervisor lists
+its children (URL, pid, restarts) in ``<data_dir>/supervisor.json`` (:func:`supervised_urls`),
+and their restart counts are shown next to their names.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import urllib.request
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -25,7 +30,15 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-__all__ = ["Snapshot", "WorkerStatus", "collect", "histogram_quantile", "render", "run_status"]
+__all__ = [
+    "Snapshot",
+    "WorkerStatus",
+    "collect",
+    "histogram_quantile",
+    "render",
+    "run_status",
+    "supervised_urls",
+]
 
 #: Seconds one HTTP request to a worker may take.
 HTTP_TIMEOUT_S = 5.0
@@ -107,6 +120,7 @@ class WorkerStatus:
     inflight: int = 0
     lag: int = 0
     finished_total: int = 0
+    restarts: int | None = None
     top_devices: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -159,6 +173,17 @@ def _get(url: str) -> tuple[int, bytes]:
 
 def _get_json(url: str) -> Any:
     return json.loads(_get(url)[1] or b"null")
+
+
+def supervised_urls(data_dir: Path) -> dict[str, int] | None:
+    """The children of a ``streamapp worker --processes N`` started with ``data_dir``: web URL →
+    restarts so far, from its ``supervisor.json``; None when there is none."""
+    from streamapp.supervisor import read_state
+
+    state = read_state(data_dir)
+    if state is None:
+        return None
+    return {str(c["url"]).rstrip("/"): int(c.get("restarts", 0)) for c in state["children"]}
 
 
 def discover(urls: Sequence[str]) -> list[str]:
@@ -238,8 +263,9 @@ def render(statuses: Iterable[WorkerStatus], *, top: int = 5, now: float | None 
             table.add_row(s.url, Text("✗", style="red"), *["—"] * 10, Text(s.error, style="red"))
             continue
         ready = Text("✓", style="green") if s.ready else Text("✗", style="red")
+        restarts = f" [yellow]↻{s.restarts}[/yellow]" if s.restarts else ""
         table.add_row(
-            f"{s.worker} [dim]{s.url.split('://')[-1]}[/dim]", ready, str(s.partitions),
+            f"{s.worker}{restarts} [dim]{s.url.split('://')[-1]}[/dim]", ready, str(s.partitions),
             f"{s.throughput_per_s:,.1f}", f"{s.dead_letters_per_s:,.1f}",
             f"{100 * s.dlq_ratio:.1f}", f"{s.retries_per_s:,.1f}", _ms(s.p50_ms), _ms(s.p99_ms),
             "—" if s.mean_batch is None else f"{s.mean_batch:.1f}", str(s.inflight), str(s.lag),
@@ -280,15 +306,26 @@ def render(statuses: Iterable[WorkerStatus], *, top: int = 5, now: float | None 
 def run_status(
     urls: Sequence[str], *, interval_s: float = 2.0, watch: bool = False, top: int = 5,
     discover_peers: bool = True, console: Console | None = None,
+    restarts: Mapping[str, int] | None = None,
 ) -> int:
     """Print the status screen (refreshing every ``interval_s`` with ``watch``).
+
+    Args:
+        restarts: Restarts by worker URL (supervised workers, :func:`supervised_urls`).
 
     Returns:
         0 when every worker answered and is ready, 1 otherwise.
     """
     console = console or Console()
     targets = discover(urls) if discover_peers else [u.rstrip("/") for u in urls]
-    statuses = collect(targets, interval_s=interval_s, top=top)
+
+    def gather() -> list[WorkerStatus]:
+        statuses = collect(targets, interval_s=interval_s, top=top)
+        for s in statuses:
+            s.restarts = (restarts or {}).get(s.url)
+        return statuses
+
+    statuses = gather()
     if not watch:
         console.print(render(statuses, top=top))
         return 0 if all(s.ready and not s.error for s in statuses) else 1
@@ -297,7 +334,7 @@ def run_status(
     with Live(render(statuses, top=top), console=console, refresh_per_second=4) as live:
         try:
             while True:
-                statuses = collect(targets, interval_s=interval_s, top=top)
+                statuses = gather()
                 live.update(render(statuses, top=top))
         except KeyboardInterrupt:
             pass

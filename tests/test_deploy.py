@@ -18,6 +18,8 @@ from streamapp.settings import Settings
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 SERVICES: dict[str, Any] = COMPOSE["services"]
+#: The worker services, one per GPU (worker-gpu0, worker-gpu1, ...).
+WORKERS: dict[str, Any] = {n: s for n, s in SERVICES.items() if n.startswith("worker-gpu")}
 
 
 def _env(service: dict[str, Any]) -> dict[str, str]:
@@ -28,7 +30,8 @@ def _env(service: dict[str, Any]) -> dict[str, str]:
 
 
 def test_the_stack_has_kafka_topics_workers_prometheus_and_grafana() -> None:
-    assert set(SERVICES) >= {"kafka", "topics", "worker", "prometheus", "grafana"}
+    assert set(SERVICES) >= {"kafka", "topics", "prometheus", "grafana"}
+    assert len(WORKERS) >= 2
     kafka = _env(SERVICES["kafka"])
     assert "controller" in kafka["KAFKA_PROCESS_ROLES"]  # KRaft, no ZooKeeper
     assert kafka["KAFKA_AUTO_CREATE_TOPICS_ENABLE"] == "false"
@@ -51,15 +54,25 @@ def test_every_streamapp_variable_is_a_setting_with_a_valid_value() -> None:
     assert seen >= 1
 
 
-def test_workers_scale_and_reserve_a_gpu() -> None:
-    worker = SERVICES["worker"]
-    assert "container_name" not in worker and "ports" not in worker  # --scale needs neither
-    (device,) = worker["deploy"]["resources"]["reservations"]["devices"]
-    assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
-    env = _env(worker)
-    assert env["STREAMAPP_WEB_BIND"] == "0.0.0.0"
-    assert (ROOT / worker["build"]["dockerfile"]).is_file()
-    assert worker["depends_on"]["topics"]["condition"] == "service_completed_successfully"
+def test_each_worker_service_reserves_its_own_gpu() -> None:
+    # `--scale worker=N` with `count: 1` put every replica on the same GPU: one service per GPU
+    gpus = []
+    for name, worker in WORKERS.items():
+        assert "container_name" not in worker and "ports" not in worker
+        (device,) = worker["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
+        assert "count" not in device, f"{name}: pin the GPU with device_ids, not count"
+        (gpu,) = device["device_ids"]
+        gpus.append(gpu)
+        env = _env(worker)
+        assert env["STREAMAPP_WEB_BIND"] == "0.0.0.0"
+        assert (ROOT / worker["build"]["dockerfile"]).is_file()
+        assert worker["depends_on"]["topics"]["condition"] == "service_completed_successfully"
+        # Prometheus (dns_sd name "worker") and peers find every worker under one name
+        assert worker["networks"]["default"]["aliases"] == ["worker"]
+        assert worker["command"][0] == "worker"
+    assert sorted(gpus) == [str(i) for i in range(len(WORKERS))]
+    assert set(SERVICES["prometheus"]["depends_on"]) == set(WORKERS)
 
 
 def test_the_topic_step_creates_every_topic_with_the_workers_partition_count() -> None:
@@ -69,8 +82,10 @@ def test_the_topic_step_creates_every_topic_with_the_workers_partition_count() -
     for topic in (settings.request_topic, settings.result_topic, settings.dlq_topic,
                   settings.retry_topic):
         assert topic in script
-    partitions = _env(SERVICES["worker"])["STREAMAPP_TOPIC_PARTITIONS"]
-    assert _env(topics)["PARTITIONS"] == partitions
+    for worker in WORKERS.values():
+        partitions = _env(worker)["STREAMAPP_TOPIC_PARTITIONS"]
+        assert _env(topics)["PARTITIONS"] == partitions
+        assert int(partitions) >= len(WORKERS)
 
 
 def test_prometheus_scrapes_every_worker_replica() -> None:
@@ -79,7 +94,8 @@ def test_prometheus_scrapes_every_worker_replica() -> None:
     assert job["metrics_path"] == "/metrics"
     (sd,) = job["dns_sd_configs"]
     assert sd["names"] == ["worker"] and sd["type"] == "A"
-    assert str(sd["port"]) == _env(SERVICES["worker"])["STREAMAPP_WEB_PORT"]
+    for worker in WORKERS.values():
+        assert str(sd["port"]) == _env(worker)["STREAMAPP_WEB_PORT"]
     mounts = SERVICES["prometheus"]["volumes"]
     assert any(m.startswith("./deploy/prometheus.yml:") for m in mounts)
 

@@ -7,6 +7,7 @@ import json
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -131,3 +132,22 @@ def test_the_screen_shows_every_discovered_worker_and_the_busiest_devices(
     assert "w1" in screen and "cam17" in screen and "420" in screen
     assert "unreachable" in screen  # the second worker /cluster names is down
     assert code == 1  # ... so the command fails
+
+
+def test_without_urls_status_shows_the_children_a_supervisor_lists(
+    fake_worker: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from typer.testing import CliRunner
+
+    from streamapp.cli import cli
+
+    (tmp_path / "supervisor.json").write_text(json.dumps({"pid": 1, "children": [
+        {"index": 0, "url": fake_worker, "restarts": 2},
+        {"index": 1, "url": "http://127.0.0.1:9", "restarts": 0},
+    ]}))
+    monkeypatch.setenv("COLUMNS", "200")
+    result = CliRunner().invoke(cli, ["status", "--data-dir", str(tmp_path), "--interval",
+                                      "0.1", "--no-discover"])
+    assert "w1 ↻2" in result.output  # child 0, restarted twice
+    assert "127.0.0.1:9" in result.output and "unreachable" in result.output  # child 1 is down
+    assert result.exit_code == 1

@@ -1,0 +1,182 @@
+"""``streamapp worker --processes 2`` on the embedded broker, and the one-worker-per-data-dir
+lock: what an operator checks (every request answered, offsets committed to the end, exit codes,
+one clear line)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiokafka import AIOKafkaConsumer, TopicPartition
+
+from streamapp.broker import EmbeddedBroker
+from streamapp.client import collect_outcomes, digits_requests, load_digits_frames, publish
+from streamapp.datadir import LOCK_NAME
+from streamapp.process import WorkerProcess
+from streamapp.settings import Settings
+from streamapp.supervisor import read_state
+
+pytestmark = [pytest.mark.kafka, pytest.mark.slow]
+
+
+def _env(settings: Settings, data_dir: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({
+        "STREAMAPP_BROKER": settings.broker, "STREAMAPP_APP_ID": settings.app_id,
+        "STREAMAPP_TOPIC_PREFIX": settings.topic_prefix,
+        "STREAMAPP_TOPIC_PARTITIONS": str(settings.topic_partitions),
+        "STREAMAPP_BACKEND": "onnxruntime", "STREAMAPP_DATA_DIR": str(data_dir),
+        "STREAMAPP_WEB_PORT": "0",  # a free port per child, listed in supervisor.json
+        "STREAMAPP_MAX_BATCH_SIZE": "16", "STREAMAPP_COMMIT_INTERVAL_MS": "20",
+        "PYTHONUNBUFFERED": "1",
+    })
+    return env
+
+
+@pytest.fixture
+def supervised(worker_settings: Settings, tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """``streamapp worker --processes 2`` with its output in tmp_path/supervisor.log."""
+    with open(tmp_path / "supervisor.log", "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "streamapp", "worker", "--processes", "2"],
+            env=_env(worker_settings, tmp_path / "data"), stdout=log,
+            stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # children follow (PR_SET_PDEATHSIG)
+            proc.wait()
+
+
+def _log(tmp_path: Path) -> str:
+    return "\n".join((tmp_path / "supervisor.log").read_text(errors="replace").splitlines()[-60:])
+
+
+def _children(tmp_path: Path) -> list[dict[str, Any]]:
+    state = read_state(tmp_path / "data")
+    return [] if state is None else list(state["children"])
+
+
+def _ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/ready", timeout=1.0) as response:
+            return bool(response.status == 200)
+    except (OSError, ValueError):  # not up yet, or 503 (HTTPError is an OSError)
+        return False
+
+
+async def _until(what: str, check: Any, proc: subprocess.Popen[bytes], tmp_path: Path,
+                 timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert proc.poll() is None, f"the supervisor exited ({proc.returncode}):\n{_log(tmp_path)}"
+        assert time.monotonic() < deadline, f"not {what} after {timeout_s} s:\n{_log(tmp_path)}"
+        await asyncio.sleep(0.2)
+
+
+async def _committed_and_ends(bootstrap: str, settings: Settings) -> tuple[dict[int, int | None],
+                                                                          dict[int, int | None]]:
+    """The group's committed offset and the end (fetch high watermark: Tansu's ListOffsets is
+    wrong after multi-record batches, docs/broker.md) of each request partition."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=settings.app_id,
+                                enable_auto_commit=False)
+    await consumer.start()
+    try:
+        tps = [TopicPartition(settings.request_topic, p) for p in range(settings.topic_partitions)]
+        consumer.assign(tps)
+        await consumer.seek_to_beginning(*tps)
+        deadline = time.monotonic() + 30
+        while any(consumer.highwater(tp) is None for tp in tps) and time.monotonic() < deadline:
+            await consumer.getmany(timeout_ms=200)
+        ends = {tp.partition: consumer.highwater(tp) for tp in tps}
+        committed = {tp.partition: await consumer.committed(tp) for tp in tps}
+        return committed, ends
+    finally:
+        await consumer.stop()
+
+
+async def test_two_supervised_workers_survive_a_sigkill_and_drain_on_sigterm(
+    kafka_broker: EmbeddedBroker, worker_settings: Settings, tmp_path: Path,
+    supervised: subprocess.Popen[bytes],
+) -> None:
+    settings, proc = worker_settings, supervised
+    bootstrap = kafka_broker.bootstrap_servers
+    await _until("two children listed", lambda: len(_children(tmp_path)) == 2, proc, tmp_path)
+    children = _children(tmp_path)
+    # each child has its own data dir (holding its own lock) and its own web port
+    assert [c["data_dir"] for c in children] == [str(tmp_path / "data" / f"worker-{i}")
+                                                for i in range(2)]
+    assert children[0]["web_port"] != children[1]["web_port"]
+    await _until("both ready", lambda: all(_ready(c["url"]) for c in _children(tmp_path)),
+                 proc, tmp_path)
+    for c in _children(tmp_path):
+        assert (Path(c["data_dir"]) / LOCK_NAME).read_text().strip() == f"worker (pid {c['pid']})"
+
+    images, _ = load_digits_frames()
+    total = 3000
+    requests = digits_requests(images, devices=32, indices=[i % len(images) for i in range(total)])
+    ids = {r.request_id for _, r in requests}
+    publisher = asyncio.create_task(
+        publish(bootstrap, settings.request_topic, requests, codec="msgpack", rate_per_s=300))
+    await asyncio.sleep(3)  # traffic is flowing to both
+    victim = _children(tmp_path)[1]
+    os.kill(victim["pid"], signal.SIGKILL)
+    await _until("worker 1 restarted and ready", lambda: (
+        (c := _children(tmp_path)[1])["restarts"] == 1 and c["pid"] not in (None, victim["pid"])
+        and _ready(c["url"])), proc, tmp_path)
+    await publisher
+    out = await collect_outcomes(
+        bootstrap, settings.result_topic, settings.dlq_topic,
+        done=lambda o: ids <= (o.result_ids() | o.dead_letter_ids()), timeout_s=180,
+    )
+    lost = ids - (out.result_ids() | out.dead_letter_ids())
+    assert lost == set(), f"{len(lost)} requests unanswered:\n{_log(tmp_path)}"
+    assert out.dead_letters == []
+
+    os.kill(proc.pid, signal.SIGTERM)
+    assert await asyncio.to_thread(proc.wait, 90) == 0, _log(tmp_path)
+    final = _children(tmp_path)
+    assert [c["state"] for c in final] == ["stopped", "stopped"]
+    assert [c["last_exit"] for c in final] == [0, 0]
+    assert [c["restarts"] for c in final] == [0, 1]
+    committed, ends = await _committed_and_ends(bootstrap, settings)
+    assert sum(v or 0 for v in ends.values()) == total
+    assert committed == ends
+
+
+async def test_a_second_worker_in_a_used_data_dir_stops_with_one_clear_line(
+    worker: WorkerProcess, tmp_path: Path, kafka_broker: EmbeddedBroker,
+    worker_settings: Settings,
+) -> None:
+    second = subprocess.run(
+        [sys.executable, "-m", "streamapp", "worker", "--web-port", "0"],
+        env=_env(worker_settings, Path(worker.settings["data_dir"])),
+        capture_output=True, text=True, timeout=60,
+    )
+    assert second.returncode != 0
+    lines = [line for line in second.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, second.stderr
+    assert str(Path(worker.settings["data_dir"]).resolve()) in lines[0]
+    assert "--data-dir" in lines[0] and "STREAMAPP_DATA_DIR" in lines[0]
+    assert f"pid {worker.process.pid}" in lines[0]  # type: ignore[union-attr]
+    # the first one keeps serving: a request sent now is answered
+    images, _ = load_digits_frames()
+    requests = digits_requests(images, devices=1, indices=[0])
+    await publish(kafka_broker.bootstrap_servers, worker_settings.request_topic, requests)
+    out = await collect_outcomes(
+        kafka_broker.bootstrap_servers, worker_settings.result_topic, worker_settings.dlq_topic,
+        done=lambda o: len(o.results) >= 1, timeout_s=60,
+    )
+    assert out.result_ids() == {requests[0][1].request_id}
+    assert worker.process is not None and worker.process.poll() is None
