@@ -39,13 +39,13 @@ far too coarse for a 5 ms batch deadline.
   times fewer rows than overlapping hopping windows), with the device's stats row, from compacted
   changelogs; the restart tests check the rows come back.
 * Known Faust issues on this path: faust-streaming #172 (a tumbling table's ``on_window_close``
-  fired irregularly, and for only one of several partitions) and the thread of pull request
-  #412 (hopping windows not holding a whole window's data; a maintainer noting that windowed
-  data did not survive a worker restart or rebalance with the RocksDB driver). In the
-  faust-streaming 0.15.3 installed here, ``Table._del_old_keys`` looks up ``_partition_timestamp_keys`` by
-  ``(partition, window_range)`` while it is keyed by ``(partition, range_end)``, so the lookup
-  never matches (a comment there says so). Expiry and window closing are exactly where these
-  bugs sit, and our windows need neither callbacks nor Faust's timer.
+  fired irregularly, and for only one of several partitions) and the thread of pull request #412
+  (hopping windows not holding a whole window's data; a maintainer noting that windowed data did not
+  survive a worker restart or rebalance with the RocksDB driver). In the faust-streaming 0.15.3
+  installed here, ``Table._del_old_keys`` looks up ``_partition_timestamp_keys`` by ``(partition,
+  window_range)`` while it is keyed by ``(partition, range_end)``, so the lookup never matches (a
+  comment there says so). Expiry and window closing are exactly where these bugs sit, and our
+  windows need neither callbacks nor Faust's timer.
 
 What it costs: this module and :mod:`streamapp.tables.aggregates` are ours to maintain; a
 hopping window is summed from its step buckets at every read; buckets expire
