@@ -396,9 +396,9 @@ def run_broker_forever(port: int | None) -> int:
         print(
             f"Embedded Tansu broker (in-memory; pid {broker.pid}, log {broker.log_path}) ready in "
             f"{broker.startup_s:.2f} s. Ctrl-C stops it.\n"
-            f"  worker:    streamapp worker --broker {broker.url}\n"
+            f"  worker:    STREAMAPP_BROKER_KIND=embedded streamapp worker --broker {broker.url}\n"
             f"  publisher: streamapp publish --broker {broker.url}\n"
-            f"  (or export STREAMAPP_BROKER={broker.url})",
+            f"  (or export STREAMAPP_BROKER={broker.url} STREAMAPP_BROKER_KIND=embedded)",
             file=sys.stderr,
             flush=True,
         )

@@ -19,6 +19,7 @@ from streamapp.exceptions import ConfigError
 
 __all__ = [
     "Backend",
+    "BrokerKind",
     "Codec",
     "SaslMechanism",
     "SecurityProtocol",
@@ -29,6 +30,7 @@ __all__ = [
 
 Codec = Literal["json", "msgpack"]
 Backend = Literal["auto", "onnxruntime", "tensorrt", "torch", "faulty"]
+BrokerKind = Literal["kafka", "embedded"]
 SecurityProtocol = Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]
 SaslMechanism = Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"]
 
@@ -54,6 +56,13 @@ class Settings(BaseSettings):
     broker: str = Field(
         "kafka://127.0.0.1:9092",
         description="Bootstrap servers, Faust URL form: kafka://host:port[;kafka://host2:port].",
+    )
+    broker_kind: BrokerKind = Field(
+        "kafka",
+        description="What 'broker' is: 'kafka' (Apache Kafka or a compatible service) or "
+        "'embedded' (the Tansu broker of 'streamapp broker', the demo and the tests). "
+        "'embedded' turns on the workarounds for its wrong end offsets (changelog seals, no "
+        "table consistency check; docs/broker.md).",
     )
     app_id: str = Field("streamapp", description="Faust app id = Kafka consumer group id.")
     topic_prefix: str = Field("", description="Prefix for every topic name, e.g. 'prod.'.")
@@ -184,12 +193,11 @@ class Settings(BaseSettings):
         0.1, gt=0, le=1,
         description="Weight of the newest request in each device's latency EWMA.",
     )
-    table_consistency_check: bool = Field(
-        False,
+    table_consistency_check: bool | None = Field(
+        None,
         description="Refuse to start when a table's local offset is past the end of its "
-        "changelog (Faust's recovery_consistency_check). Off by default: the embedded broker "
-        "under-reports changelog ends after a crash (docs/broker.md); turn it on with Apache "
-        "Kafka.",
+        "changelog (Faust's recovery_consistency_check). Unset: on with broker_kind 'kafka', "
+        "off with 'embedded' (it under-reports changelog ends, docs/broker.md).",
     )
 
     @model_validator(mode="after")
@@ -329,6 +337,14 @@ class Settings(BaseSettings):
         """``host:port,host2:port`` for plain Kafka clients (aiokafka)."""
         parts = [p.strip() for p in self.broker.replace(",", ";").split(";") if p.strip()]
         return ",".join(p.split("://", 1)[-1] for p in parts)
+
+    @property
+    def consistency_check(self) -> bool:
+        """Whether Faust's table consistency check is on (``table_consistency_check``, else
+        on for Apache Kafka and off for the embedded broker)."""
+        if self.table_consistency_check is not None:
+            return self.table_consistency_check
+        return self.broker_kind == "kafka"
 
     @property
     def faust_broker(self) -> str:

@@ -137,7 +137,7 @@ def install_state(app: faust.App, settings: Settings, runtime: Any) -> list[Pipe
     # Routing needs the URL peers reach us at (Faust derives it from web_host at app creation,
     # where ours is the bind address; a wildcard bind would advertise 0.0.0.0).
     app.conf.canonical_url = URL(f"http://{advertised_host(settings)}:{settings.web_port}")
-    app.conf.recovery_consistency_check = settings.table_consistency_check
+    app.conf.recovery_consistency_check = settings.consistency_check
     plan = WindowPlan.from_settings(settings)
     tables = define_tables(app, settings)
     observer = DeviceStateObserver(
