@@ -22,6 +22,7 @@ from streamapp.faust_compat import (
     committed_or_earliest,
     event_context,
     set_fetch_max_wait,
+    set_read_committed,
 )
 from streamapp.retry import RetryRecord
 from streamapp.runtime import FaustSink, WorkerRuntime
@@ -175,6 +176,7 @@ def create_app(settings: Settings | None = None) -> faust.App:
     @app.on_partitions_assigned.connect  # type: ignore[arg-type]
     async def on_assigned(app_: Any, assigned: set[Any], **kwargs: Any) -> None:
         set_fetch_max_wait(app, conf.fetch_max_wait_ms)
+        set_read_committed(app)
         runtime.on_assigned({
             (tp.topic, tp.partition) for tp in assigned
             if tp.topic in (conf.request_topic, conf.retry_topic)

@@ -25,6 +25,7 @@ from streamapp.settings import Settings
 
 __all__ = [
     "Outcomes",
+    "PartitionRange",
     "SentRequest",
     "collect_outcomes",
     "digits_requests",
@@ -293,6 +294,18 @@ class Outcomes:
         return {d.request_id for d in self.dead_letters}
 
 
+class PartitionRange(list[tuple[int, bytes | None, bytes | None]]):
+    """What :func:`read_partition_range` read: ``(offset, key, value)`` records in offset order.
+
+    Attributes:
+        deleted_before: Offsets of the range below this were deleted by retention (the range's
+            start when none were). Other offsets of the range without a record hold no data:
+            transaction markers and records of aborted transactions.
+    """
+
+    deleted_before: int = 0
+
+
 async def read_partition_range(
     bootstrap_servers: str,
     topic: str,
@@ -302,23 +315,31 @@ async def read_partition_range(
     *,
     security: dict[str, Any] | None = None,
     timeout_s: float = 30.0,
-) -> list[tuple[int, bytes | None, bytes | None]]:
+) -> PartitionRange:
     """Read the records ``start <= offset < end`` of one partition, outside any consumer group.
 
+    Reads committed records only (``isolation_level=read_committed``, like the worker's
+    consumer), and stops as soon as the reader's position reaches ``end``: transaction markers
+    and aborted records occupy offsets but are never returned.
+
     Returns:
-        ``(offset, key, value)`` in offset order; fewer than ``end - start`` when some no longer
-        exist (retention) or the timeout passed.
+        The records, in offset order, with ``deleted_before`` set (offsets below it no longer
+        exist: retention); fewer than ``end - start`` when some offsets hold no data records or
+        the timeout passed.
     """
     consumer = AIOKafkaConsumer(
         bootstrap_servers=bootstrap_servers, group_id=None, enable_auto_commit=False,
-        auto_offset_reset="earliest", **(security or {}),
+        auto_offset_reset="earliest", isolation_level="read_committed", **(security or {}),
     )
     await start_or_close(consumer)
-    out: list[tuple[int, bytes | None, bytes | None]] = []
+    out = PartitionRange()
+    out.deleted_before = start
     try:
         tp = TopicPartition(topic, partition)
         consumer.assign([tp])
-        consumer.seek(tp, start)
+        log_start = (await consumer.beginning_offsets([tp]))[tp]
+        out.deleted_before = max(start, min(log_start, end))
+        consumer.seek(tp, out.deleted_before)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             batch = await consumer.getmany(tp, timeout_ms=200, max_records=10_000)
@@ -326,7 +347,7 @@ async def read_partition_range(
                 if record.offset >= end:
                     return out
                 out.append((record.offset, record.key, record.value))
-            if out and out[-1][0] >= end - 1:
+            if await consumer.position(tp) >= end:  # also past markers and aborted records
                 return out
     finally:
         await consumer.stop()

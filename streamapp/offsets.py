@@ -115,21 +115,35 @@ class OffsetTracker:
         state.gaps += 1
         self.gaps_total += 1
         self.gap_records_total += offset - state.next_offset
-        log.warning(
-            "%s[%d]: read offset %d but expected %d: the consumer skipped %d records; reading "
-            "them before going on so that none is lost",
+        # DEBUG: the offsets between may hold no data (transaction markers, aborted records);
+        # the caller logs a warning once the direct read found records there.
+        log.debug(
+            "%s[%d]: read offset %d but expected %d: %d offsets between; reading them before "
+            "going on so that no record is lost",
             topic, partition, offset, state.next_offset, offset - state.next_offset,
         )
         return "gap", state.epoch
 
-    def skip_to(self, topic: str, partition: int, offset: int) -> None:
-        """Give up on records before ``offset`` that no longer exist (deleted by retention)."""
+    def skip_to(self, topic: str, partition: int, offset: int, *, lost: bool = True) -> None:
+        """Move past offsets before ``offset`` that hold no record to process.
+
+        Args:
+            lost: True: the records were deleted by retention (an ERROR: they cannot be
+                answered). False: the offsets hold no data records (transaction markers,
+                records of aborted transactions); nothing is lost.
+        """
         state = self._parts.get((topic, partition))
         if state is not None and offset > state.next_offset:
-            log.error(
-                "%s[%d]: records %d..%d no longer exist on the broker (retention); they cannot "
-                "be answered", topic, partition, state.next_offset, offset - 1,
-            )
+            if lost:
+                log.error(
+                    "%s[%d]: records %d..%d no longer exist on the broker (retention); they "
+                    "cannot be answered", topic, partition, state.next_offset, offset - 1,
+                )
+            else:
+                log.debug(
+                    "%s[%d]: offsets %d..%d hold no data records (transaction markers or "
+                    "aborted transactions)", topic, partition, state.next_offset, offset - 1,
+                )
             state.next_offset = offset
 
     def done(self, topic: str, partition: int, offset: int, epoch: int) -> None:
