@@ -78,46 +78,53 @@ _LOG_TAIL_BYTES = 4000
 _jar_lock = threading.Lock()
 
 
-def broker_properties(nodes: int) -> dict[str, str]:
+def broker_properties(nodes: int, *, small_machine: bool = True) -> dict[str, str]:
     """The broker settings that differ from Kafka's defaults, the same for every node.
 
-    The single source of the settings the tests run; ``docker-compose.yml``'s kafka service
-    sets the same values (``tests/test_deploy.py`` compares them).
+    The one source of the settings the tests run. ``docker-compose.yml``'s kafka service sets
+    the same behaviour settings (``small_machine=False``); ``tests/test_kafka_compose.py``
+    compares them.
 
     Args:
         nodes: Nodes in the cluster (1 for a single broker).
+        small_machine: Add the thread-count and memory settings for a 2-core test machine.
 
     Returns:
         Kafka property name -> value.
     """
     replicas = 3 if nodes >= 3 else 1
     min_isr = 2 if nodes >= 3 else 1
-    return {
+    props = {
         "num.partitions": "4",
         "default.replication.factor": str(replicas),
         "min.insync.replicas": str(min_isr),
         "offsets.topic.replication.factor": str(replicas),
-        "offsets.topic.num.partitions": "4",
         "transaction.state.log.replication.factor": str(replicas),
         "transaction.state.log.min.isr": str(min_isr),
-        "transaction.state.log.num.partitions": "4",
         "share.coordinator.state.topic.replication.factor": str(replicas),
         "share.coordinator.state.topic.min.isr": str(min_isr),
         # A group's first member is not made to wait 3 s for others.
         "group.initial.rebalance.delay.ms": "0",
-        # Few threads: the tests run on 2 cores beside the workers.
-        "num.network.threads": "2",
-        "num.io.threads": "2",
-        "background.threads": "2",
-        "num.replica.fetchers": "1",
-        "num.recovery.threads.per.data.dir": "1",
-        "log.cleaner.threads": "1",
-        # The cleaner's default 128 MB dedupe buffer would take a quarter of the 512 MB heap.
-        "log.cleaner.dedupe.buffer.size": "16777216",
         # A killed node is fenced (and its partitions move) after 6 s instead of 9 s.
         "broker.session.timeout.ms": "6000",
         "broker.heartbeat.interval.ms": "1000",
     }
+    if small_machine:
+        props |= {
+            # Fewer internal partitions: the first group and transaction start faster.
+            "offsets.topic.num.partitions": "4",
+            "transaction.state.log.num.partitions": "4",
+            # Few threads: the tests run on 2 cores beside the workers.
+            "num.network.threads": "2",
+            "num.io.threads": "2",
+            "background.threads": "2",
+            "num.replica.fetchers": "1",
+            "num.recovery.threads.per.data.dir": "1",
+            "log.cleaner.threads": "1",
+            # The cleaner's default 128 MB dedupe buffer would take a quarter of the heap.
+            "log.cleaner.dedupe.buffer.size": "16777216",
+        }
+    return props
 
 
 # ---------------------------------------------------------------------------------- jars
