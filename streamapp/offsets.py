@@ -6,6 +6,17 @@ without being processed, and after a partition comes back Faust forgets its comm
 commits the highest *contiguous run of acked offsets* even when that run does not start at the
 committed offset. Either way offsets are committed for records nobody processed.
 
+This is not a Tansu artefact: on Apache Kafka 4.4.0 (tests/integration/test_delivery.py run
+with ``--broker=kafka``, worker logs) Faust handed out records past the committed offset too.
+After a SIGKILL and restart with static membership, the new worker was assigned each partition
+at its committed offset (813/814), was handed two records, then the record 5-6 offsets further
+on, on all four partitions. When a second worker joined and left, the first worker was handed
+records 16 offsets past its position on two partitions, and the second joining worker, assigned
+a partition at its committed offset 143, was handed 143 and 144 and then offset 3,375, near the
+end of the partition (3,230 records skipped). Transaction markers and aborted
+transactions also leave offsets that no consumer is handed; those are not gaps
+(:meth:`OffsetTracker.skip_to` with ``lost=False``).
+
 So streamapp turns Faust's acking off for its source topics (``acks=False``) and keeps this
 tracker instead. Per partition it knows the next offset it must see (the committed offset when
 the partition was assigned) and the offsets read but not yet finished:

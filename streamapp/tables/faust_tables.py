@@ -68,7 +68,9 @@ class ChangelogSealer:
         app: The Faust app (its producer and assignment).
         tables: The tables whose changelogs are sealed.
         idle_s: Seconds without a flush before sealing.
-        enabled: False: seal nothing (Apache Kafka reports changelog ends correctly).
+        enabled: False: write no seals (Apache Kafka reports changelog ends correctly); the
+            producer is still flushed on revoke and shutdown, so a partition's next owner reads
+            every changelog record its last owner wrote.
 
     Attributes:
         seals: Partition seals written so far (one tombstone per table each).
@@ -97,13 +99,13 @@ class ChangelogSealer:
 
     async def flushed(self) -> None:
         """A flush ended: seal now when the worker is stopping, else (re)start the idle timer."""
-        if not self.enabled:
-            return
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
         if getattr(self.app, "should_stop", False):
             await self.seal(wait=True)
+            return
+        if not self.enabled:
             return
         self._timer = asyncio.get_running_loop().call_later(self.idle_s, self._on_idle)
 
@@ -125,8 +127,6 @@ class ChangelogSealer:
         Returns:
             How many partitions were sealed.
         """
-        if not self.enabled:
-            return 0
         generation = self._generation
         producer = self.app.producer
         try:

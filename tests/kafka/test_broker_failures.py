@@ -31,7 +31,9 @@ from streamapp.kafka_server import KafkaBroker
 from streamapp.process import WorkerProcess
 from streamapp.settings import Settings, load_settings
 
-pytestmark = [pytest.mark.kafka, pytest.mark.apache_kafka, pytest.mark.slow]
+pytestmark = [
+    pytest.mark.kafka, pytest.mark.apache_kafka, pytest.mark.slow, pytest.mark.timeout(900),
+]
 
 TOTAL, DEVICES = 8_000, 32
 #: Records a worker can have read but not committed: batches in flight plus one being filled
