@@ -6,6 +6,7 @@ decodes them either way); transactions on Apache Kafka only (Tansu has none).
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from aiokafka import AIOKafkaProducer
 from streamapp.client import collect_outcomes, digits_requests, load_digits_frames
 from streamapp.codecs import encode_request
 from streamapp.process import WorkerProcess
+from streamapp.records import InferenceRequest
 from streamapp.settings import Settings
 from tests.conftest import Broker
 
@@ -28,9 +30,11 @@ def _requests(n: int, run_id: str, devices: int = 4) -> list[tuple[bytes, bytes,
     """``(key, value, request_id)`` of ``n`` JSON digit requests."""
     images, _ = load_digits_frames()
     out = []
-    for _, request in digits_requests(images, devices=devices, indices=range(n), run_id=run_id):
-        out.append((request.device_id.encode(), encode_request(request, "json"),
-                    request.request_id))
+    for _, r in digits_requests(images, devices=devices, indices=range(n), run_id=run_id):
+        stamped = InferenceRequest(  # capture time now, as streamapp.client.publish does
+            r.request_id, r.device_id, r.seq, time.time(), r.model, r.tensor, r.image
+        )
+        out.append((r.device_id.encode(), encode_request(stamped, "json"), r.request_id))
     return out
 
 
@@ -101,8 +105,7 @@ async def test_transactions_committed_answered_once_aborted_never_markers_not_lo
         kafka_broker.bootstrap_servers, s.result_topic, s.dlq_topic,
         done=lambda o: committed <= {r["request_id"] for r in o.results}, timeout_s=90,
     )
-    # The last offset of the partition is a commit marker: wait until the worker has moved its
-    # committed offset past it (the gap sweeper reads the partition's end), then read its log.
+    # Markers and aborted records sit between the committed transactions' records.
     answered = Counter(r["request_id"] for r in out.results)
     assert set(answered) == committed
     assert set(answered.values()) == {1}, "a committed request was answered twice"
