@@ -28,7 +28,7 @@ from streamapp.client import (
 from streamapp.process import WorkerProcess
 from streamapp.settings import Settings
 
-pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 BATCH, INFLIGHT = 32, 2
 MAX_PENDING = BATCH * (INFLIGHT + 1)
@@ -100,7 +100,7 @@ async def test_sigkill_at_random_moments_loses_nothing(
         for kill in range(kills):
             # let it run a random while (at least some results beyond the last kill), then kill
             target = (kill + 1) * total // (kills + 2) + rng.randrange(0, total // (kills * 4))
-            deadline = time.monotonic() + 120
+            deadline = time.monotonic() + 300  # generous: the 2-core machine may be shared
             while await _count_results(bootstrap, settings) < target:
                 assert time.monotonic() < deadline, worker.log_tail()
                 assert worker.process is not None and worker.process.poll() is None, \
