@@ -4,11 +4,15 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: help install demo test test-fast lint docs bench bench-smoke bench-backlog bench-scaleout train clean
+.PHONY: help install demo test test-fast test-embedded test-kafka test-kafka-slow lint docs bench bench-smoke bench-backlog bench-scaleout train clean kafka-jars kafka
 
 help:
 	@echo "make demo   - broker + worker + 1,797 real digits from 16 devices, prints a summary"
-	@echo "make test   - the whole test suite (unit + integration on the embedded broker)"
+	@echo "make test   - the test suite: unit + integration on the embedded broker and Apache Kafka"
+	@echo "make test-embedded / test-kafka - integration tests on one broker only"
+	@echo "make test-kafka-slow - delivery under worker and broker failures on Apache Kafka (CI)"
+	@echo "make kafka-jars - fetch Apache Kafka's jars with Maven (done on first use anyway)"
+	@echo "make kafka  - run a local single-node Apache Kafka until Ctrl-C"
 	@echo "make lint   - ruff and mypy"
 	@echo "make bench  - benchmarks on CPU: ceilings, product, seeds' comparison, backlog, scale-out (~12 min)"
 	@echo "make bench-smoke   - the same code paths in under a minute (CI runs it as a test)"
@@ -30,8 +34,26 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/streamapp demo
 
+# Everything except the heavy Apache Kafka delivery tests (test-kafka-slow; CI runs both).
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -m "not (slow and apache_kafka)"
+
+test-kafka-slow: $(STAMP) kafka-jars
+	$(BIN)/python -m pytest -m "slow and apache_kafka"
+
+test-embedded: $(STAMP)
+	$(BIN)/python -m pytest --broker=embedded
+
+test-kafka: $(STAMP) kafka-jars
+	$(BIN)/python -m pytest --broker=kafka
+
+# Apache Kafka for the tests and `streamapp broker --kafka` (streamapp/kafka_server.py): the jars
+# of deploy/kafka/pom.xml in ~/.cache/streamapp/kafka-<version>/libs ($$STREAMAPP_KAFKA_HOME).
+kafka-jars: $(STAMP)
+	$(BIN)/python scripts/kafka_jars.py
+
+kafka: $(STAMP)
+	$(BIN)/streamapp broker --kafka
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not kafka and not slow"

@@ -50,8 +50,8 @@ def start_worker(
     create_topics(broker.bootstrap_servers, {t: partitions for t in topics.values()})
     data_dir = log_dir / f"data-{app_id}"
     proc = WorkerProcess(
-        {"broker": broker.url, "app_id": app_id, "topic_prefix": prefix,
-         "topic_partitions": partitions, "data_dir": data_dir, **settings},
+        {"broker": broker.url, "broker_kind": "embedded", "app_id": app_id,
+         "topic_prefix": prefix, "topic_partitions": partitions, "data_dir": data_dir, **settings},
         log_path=log_dir / f"worker-{name}.log",
     )
     proc.start()

@@ -434,7 +434,8 @@ class Bench:
             import streamapp.process as sp
 
             proc = sp.WorkerProcess(
-                {"broker": broker.url, "app_id": prefix.rstrip("."), "topic_prefix": prefix,
+                {"broker": broker.url, "broker_kind": "embedded",
+                 "app_id": prefix.rstrip("."), "topic_prefix": prefix,
                  "topic_partitions": plan.partitions, "data_dir": self.logs / "data-backlog",
                  **settings}, log_path=self.logs / "worker-backlog.log")
             with proc:

@@ -24,8 +24,9 @@ from streamapp.faust_compat import (
     event_context,
     set_fetch_max_wait,
     set_producer_buffer_max,
+    set_read_committed,
 )
-from streamapp.kafka import ssl_context
+from streamapp.kafka import resolve_broker_kind, ssl_context
 from streamapp.retry import RetryRecord
 from streamapp.runtime import WorkerRuntime
 from streamapp.settings import Settings, load_settings
@@ -82,7 +83,7 @@ def faust_options(settings: Settings) -> dict[str, Any]:
         # Routing needs the URL peers reach us at (Faust derives it from web_host, where ours
         # is the bind address; a wildcard bind would advertise 0.0.0.0).
         "canonical_url": URL(f"http://{advertised_host(settings)}:{settings.web_port}"),
-        "recovery_consistency_check": settings.table_consistency_check,
+        "recovery_consistency_check": settings.consistency_check,
     }
 
 
@@ -132,7 +133,7 @@ def create_app(settings: Settings | None = None) -> faust.App:
     """
     if settings is None:
         settings = load_settings()
-    conf = settings
+    conf = resolve_broker_kind(settings)
     app = faust.App(conf.app_id, **faust_options(conf))
     raw = {"key_type": bytes, "value_type": bytes, "key_serializer": "raw",
            "value_serializer": "raw"}
@@ -175,6 +176,7 @@ def create_app(settings: Settings | None = None) -> faust.App:
     @app.on_partitions_assigned.connect  # type: ignore[arg-type]
     async def on_assigned(app_: Any, assigned: set[Any], **kwargs: Any) -> None:
         set_fetch_max_wait(app, conf.fetch_max_wait_ms)
+        set_read_committed(app)
         # room for the table rows of every batch in flight (see set_producer_buffer_max)
         set_producer_buffer_max(
             app, max(1024, 8 * conf.max_batch_size * conf.max_inflight_batches)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -36,7 +35,7 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import IO, Any
 
-from streamapp.children import free_port, popen_child, terminate_group
+from streamapp.children import free_port, popen_child, read_tail, terminate_group
 from streamapp.exceptions import BrokerError
 from streamapp.kafka import probe_metadata, run_sync
 
@@ -53,7 +52,6 @@ _PROBE_TIMEOUT_S = 2.0
 _LOG_TAIL_BYTES = 4000
 #: Log lines by which Tansu reports that it could not serve (it still exits with status 0).
 _FAILURE_MARKERS = ("AddrInUse", "Address in use", "panicked at")
-_ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
 class EmbeddedBroker:
@@ -160,7 +158,7 @@ class EmbeddedBroker:
 
     def log_tail(self, max_bytes: int = _LOG_TAIL_BYTES) -> str:
         """The last ``max_bytes`` of the broker log without colour codes ("" if there is none)."""
-        return _read_tail(self._log_path, 0, max_bytes)
+        return read_tail(self._log_path, 0, max_bytes)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -257,7 +255,7 @@ class EmbeddedBroker:
             self._log_file = None
 
     def _attempt_tail(self) -> str:
-        return _read_tail(self._log_path, self._attempt_log_offset, _LOG_TAIL_BYTES)
+        return read_tail(self._log_path, self._attempt_log_offset, _LOG_TAIL_BYTES)
 
     def _start_once(self, binary: str, port: int, attempt: int) -> str | None:
         """Launch Tansu on ``port`` and wait for it; returns ``None`` when ready, else why not."""
@@ -411,18 +409,6 @@ def _bind_failed(failure: str) -> bool:
     return "AddrInUse" in failure or "Address in use" in failure
 
 
-def _read_tail(path: Path | None, offset: int, max_bytes: int) -> str:
-    if path is None:
-        return ""
-    try:
-        with path.open("rb") as handle:
-            size = handle.seek(0, os.SEEK_END)
-            handle.seek(max(offset, size - max_bytes))
-            data = handle.read()
-    except OSError:
-        return ""
-    return _ANSI_ESCAPE.sub("", data.decode("utf-8", errors="replace")).strip()
-
 
 async def _wait_until_serving(
     process: subprocess.Popen[bytes],
@@ -436,7 +422,7 @@ async def _wait_until_serving(
 
     def _failure() -> str | None:
         code = process.poll()
-        log = _read_tail(log_path, log_offset, 64_000)
+        log = read_tail(log_path, log_offset, 64_000)
         marker = next((m for m in _FAILURE_MARKERS if m in log), None)
         if marker is not None:
             status = "still running" if code is None else f"exit status {code}, not to be trusted"

@@ -10,14 +10,18 @@ import contextlib
 import ctypes
 import ctypes.util
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-__all__ = ["free_port", "popen_child", "terminate_group"]
+__all__ = ["free_port", "popen_child", "read_tail", "terminate_group"]
+
+_ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 #: ``PR_SET_PDEATHSIG`` from ``<linux/prctl.h>``.
 _PR_SET_PDEATHSIG = 1
@@ -92,3 +96,18 @@ def terminate_group(
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(process.pid, signal.SIGKILL)
         return process.wait()
+
+
+def read_tail(path: Path | None, offset: int, max_bytes: int) -> str:
+    """The last ``max_bytes`` of a child's log file from ``offset`` on (decoded leniently);
+    "" when there is no file."""
+    if path is None:
+        return ""
+    try:
+        with path.open("rb") as handle:
+            size = handle.seek(0, os.SEEK_END)
+            handle.seek(max(offset, size - max_bytes))
+            data = handle.read()
+    except OSError:
+        return ""
+    return _ANSI_ESCAPE.sub("", data.decode("utf-8", errors="replace")).strip()

@@ -48,8 +48,20 @@ def _fail(message: str, code: int = 1) -> typer.Exit:
 def broker(
     port: Annotated[Optional[int], typer.Option(help="Port to listen on (default: a free one).")]
     = None,
+    kafka: Annotated[bool, typer.Option(
+        "--kafka", help="Run Apache Kafka (KRaft, one node; jars fetched with Maven once) "
+        "instead of the embedded broker.")] = False,
+    data_dir: Annotated[Optional[Path], typer.Option(
+        help="With --kafka: keep the data here (default: a temporary directory).")] = None,
 ) -> None:
-    """Run the embedded Kafka-compatible broker (Tansu) on 127.0.0.1 until Ctrl-C."""
+    """Run the embedded Kafka-compatible broker (Tansu), or Apache Kafka with --kafka, on
+    127.0.0.1 until Ctrl-C; prints ``bootstrap: HOST:PORT``."""
+    if kafka:
+        from streamapp.kafka_server import run_kafka_forever
+
+        raise typer.Exit(run_kafka_forever(port, data_dir))
+    if data_dir is not None:
+        raise _fail("--data-dir needs --kafka (the embedded broker keeps data in memory)", 2)
     from streamapp.broker import run_broker_forever
 
     raise typer.Exit(run_broker_forever(port))

@@ -189,8 +189,8 @@ def run_demo(
                 {t: settings.topic_partitions for t in settings.topics},
             )
             worker = WorkerProcess(
-                {"broker": broker.url, "app_id": app_id, "backend": backend,
-                 "data_dir": tmp / "data"},
+                {"broker": broker.url, "broker_kind": "embedded", "app_id": app_id,
+                 "backend": backend, "data_dir": tmp / "data"},
                 log_path=tmp / "worker.log",
             )
             with worker:

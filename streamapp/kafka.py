@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import ssl
 import threading
 import time
@@ -23,6 +24,8 @@ from aiokafka.errors import KafkaError, for_code
 
 from streamapp.exceptions import BrokerError, ConfigError
 from streamapp.settings import Settings
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "create_topics",
@@ -119,6 +122,18 @@ async def start_or_close(client: Any) -> None:
         raise
 
 
+class PartitionRange(list[tuple[int, bytes | None, bytes | None]]):
+    """What :func:`read_partition_range` read: ``(offset, key, value)`` records in offset order.
+
+    Attributes:
+        deleted_before: Offsets of the range below this were deleted by retention (the range's
+            start when none were). Other offsets of the range without a record hold no data:
+            transaction markers and records of aborted transactions.
+    """
+
+    deleted_before: int = 0
+
+
 async def read_partition_range(
     bootstrap_servers: str,
     topic: str,
@@ -128,23 +143,31 @@ async def read_partition_range(
     *,
     security: dict[str, Any] | None = None,
     timeout_s: float = 30.0,
-) -> list[tuple[int, bytes | None, bytes | None]]:
+) -> PartitionRange:
     """Read the records ``start <= offset < end`` of one partition, outside any consumer group.
 
+    Reads committed records only (``isolation_level=read_committed``, like the worker's
+    consumer), and stops as soon as the reader's position reaches ``end``: transaction markers
+    and aborted records occupy offsets but are never returned.
+
     Returns:
-        ``(offset, key, value)`` in offset order; fewer than ``end - start`` when some no longer
-        exist (retention) or the timeout passed.
+        The records, in offset order, with ``deleted_before`` set (offsets below it no longer
+        exist: retention); fewer than ``end - start`` when some offsets hold no data records or
+        the timeout passed.
     """
     consumer = AIOKafkaConsumer(
         bootstrap_servers=bootstrap_servers, group_id=None, enable_auto_commit=False,
-        auto_offset_reset="earliest", **(security or {}),
+        auto_offset_reset="earliest", isolation_level="read_committed", **(security or {}),
     )
     await start_or_close(consumer)
-    out: list[tuple[int, bytes | None, bytes | None]] = []
+    out = PartitionRange()
+    out.deleted_before = start
     try:
         tp = TopicPartition(topic, partition)
         consumer.assign([tp])
-        consumer.seek(tp, start)
+        log_start = (await consumer.beginning_offsets([tp]))[tp]
+        out.deleted_before = max(start, min(log_start, end))
+        consumer.seek(tp, out.deleted_before)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             batch = await consumer.getmany(tp, timeout_ms=200, max_records=10_000)
@@ -152,7 +175,7 @@ async def read_partition_range(
                 if record.offset >= end:
                     return out
                 out.append((record.offset, record.key, record.value))
-            if out and out[-1][0] >= end - 1:
+            if await consumer.position(tp) >= end:  # also past markers and aborted records
                 return out
     finally:
         await consumer.stop()
@@ -316,3 +339,52 @@ def run_sync(factory: Callable[[], Coroutine[Any, Any, _T]]) -> _T:
     if "error" in outcome:
         raise outcome["error"]
     return outcome["value"]  # type: ignore[no-any-return]
+
+
+#: The cluster id the embedded broker (Tansu 0.6) reports in every metadata response.
+EMBEDDED_CLUSTER_ID = "tansu_cluster"
+
+
+def detect_broker_kind(settings: Settings, timeout_s: float = 10.0) -> str:
+    """Which kind of broker ``settings.broker`` is: ``"embedded"`` (Tansu, recognised by the
+    cluster id it reports) or ``"kafka"`` (anything else: Apache Kafka or a compatible service).
+
+    Raises:
+        BrokerError: The broker did not answer a metadata request within ``timeout_s``.
+    """
+
+    async def cluster_id() -> str | None:
+        admin = AIOKafkaAdminClient(
+            bootstrap_servers=settings.bootstrap_servers,
+            request_timeout_ms=int(timeout_s * 1000),
+            **kafka_security_options(settings),
+        )
+        await start_or_close(admin)
+        try:
+            described = await asyncio.wait_for(admin.describe_cluster(), timeout_s)
+        finally:
+            await admin.close()
+        return described.get("cluster_id")
+
+    try:
+        found = run_sync(cluster_id)
+    except (KafkaError, OSError, TimeoutError) as exc:
+        raise BrokerError(
+            f"cannot tell which broker {settings.bootstrap_servers} is ({type(exc).__name__}: "
+            f"{exc}); set STREAMAPP_BROKER_KIND to 'kafka' or 'embedded'"
+        ) from exc
+    return "embedded" if found == EMBEDDED_CLUSTER_ID else "kafka"
+
+
+def resolve_broker_kind(settings: Settings) -> Settings:
+    """``settings`` with ``broker_kind`` decided: unchanged unless it is ``"auto"``, then
+    asked of the broker (:func:`detect_broker_kind`); an unreachable broker counts as
+    ``"kafka"`` (Faust's normal behaviour, the safe side) with a warning."""
+    if settings.broker_kind != "auto":
+        return settings
+    try:
+        kind = detect_broker_kind(settings)
+    except BrokerError as exc:
+        log.warning("%s; assuming Apache Kafka", exc)
+        kind = "kafka"
+    return settings.model_copy(update={"broker_kind": kind})

@@ -20,6 +20,7 @@ from streamapp.exceptions import ConfigError
 
 __all__ = [
     "Backend",
+    "BrokerKind",
     "Codec",
     "SaslMechanism",
     "SecurityProtocol",
@@ -32,6 +33,7 @@ Codec = Literal["json", "msgpack"]
 #: An engine backend: ``auto`` or a name registered in :mod:`engines.registry`.
 Backend = str
 ImageDecode = Literal["auto", "cpu"]
+BrokerKind = Literal["auto", "kafka", "embedded"]
 SecurityProtocol = Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]
 SaslMechanism = Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"]
 
@@ -57,6 +59,14 @@ class Settings(BaseSettings):
     broker: str = Field(
         "kafka://127.0.0.1:9092",
         description="Bootstrap servers, Faust URL form: kafka://host:port[;kafka://host2:port].",
+    )
+    broker_kind: BrokerKind = Field(
+        "auto",
+        description="What 'broker' is: 'kafka' (Apache Kafka or a compatible service) or "
+        "'embedded' (the Tansu broker of 'streamapp broker', the demo and the tests); 'auto' "
+        "asks the broker at start (Tansu reports cluster id 'tansu_cluster'). 'embedded' turns "
+        "on the workarounds for its wrong end offsets (changelog seals, no table consistency "
+        "check; docs/broker.md).",
     )
     app_id: str = Field("streamapp", description="Faust app id = Kafka consumer group id.")
     topic_prefix: str = Field("", description="Prefix for every topic name, e.g. 'prod.'.")
@@ -221,12 +231,11 @@ class Settings(BaseSettings):
         0.1, gt=0, le=1,
         description="Weight of the newest request in each device's latency EWMA.",
     )
-    table_consistency_check: bool = Field(
-        False,
+    table_consistency_check: bool | None = Field(
+        None,
         description="Refuse to start when a table's local offset is past the end of its "
-        "changelog (Faust's recovery_consistency_check). Off by default: the embedded broker "
-        "under-reports changelog ends after a crash (docs/broker.md); turn it on with Apache "
-        "Kafka.",
+        "changelog (Faust's recovery_consistency_check). Unset: on with broker_kind 'kafka', "
+        "off with 'embedded' (it under-reports changelog ends, docs/broker.md).",
     )
 
     @model_validator(mode="after")
@@ -378,6 +387,14 @@ class Settings(BaseSettings):
         """``host:port,host2:port`` for plain Kafka clients (aiokafka)."""
         parts = [p.strip() for p in self.broker.replace(",", ";").split(";") if p.strip()]
         return ",".join(p.split("://", 1)[-1] for p in parts)
+
+    @property
+    def consistency_check(self) -> bool:
+        """Whether Faust's table consistency check is on (``table_consistency_check``, else
+        on for Apache Kafka and off for the embedded broker)."""
+        if self.table_consistency_check is not None:
+            return self.table_consistency_check
+        return self.broker_kind != "embedded"
 
     @property
     def faust_broker(self) -> str:

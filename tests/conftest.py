@@ -1,25 +1,91 @@
-"""Shared pytest fixtures for the whole test suite."""
+"""Shared pytest fixtures for the whole test suite.
+
+Brokers: tests that take ``kafka_broker`` run twice, on the embedded Tansu broker and on Apache
+Kafka (single node, KRaft, ``streamapp.kafka_server``); each kind is started once per session.
+``--broker=embedded`` or ``--broker=kafka`` keeps one side; ``-m "not apache_kafka"`` drops
+everything that needs Apache Kafka (the Kafka side of ``kafka_broker`` and the Kafka-only
+tests, which take ``apache_kafka`` or start their own cluster).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Literal
 from uuid import uuid4
 
 import pytest
 
 from engines import registry, testing
 from streamapp.broker import EmbeddedBroker
+from streamapp.kafka_server import KafkaBroker
+
+#: A session broker: the embedded Tansu broker or Apache Kafka (same interface for the tests).
+Broker = EmbeddedBroker | KafkaBroker
+BROKER_KINDS = ("embedded", "kafka")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--broker", choices=(*BROKER_KINDS, "both"), default="both",
+        help="Which broker the broker-parametrized tests run on (default: both).",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """With ``--broker=X``, deselect the other broker's side of parametrized tests and, for
+    ``embedded``, the Apache-Kafka-only tests."""
+    chosen = config.getoption("--broker")
+    if chosen == "both":
+        return
+    keep, drop = [], []
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        kind = callspec.params.get("kafka_broker") if callspec is not None else None
+        if kind is None and item.get_closest_marker("apache_kafka") is not None:
+            kind = "kafka"
+        (drop if kind is not None and kind != chosen else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
 
 
 @pytest.fixture(scope="session")
-def kafka_broker() -> Iterator[EmbeddedBroker]:
-    """One embedded Tansu broker for the whole session, on a free loopback port.
-
-    Memory storage: topics and offsets live until the session ends. Tests sharing it must use
-    their own topic and group names (see ``app_id``). Use it from tests marked ``kafka``.
-    """
+def embedded_broker() -> Iterator[EmbeddedBroker]:
+    """One embedded Tansu broker for the session (tests of Tansu's own behaviour take this)."""
     with EmbeddedBroker() as broker:
         yield broker
+
+
+@pytest.fixture(scope="session")
+def apache_kafka() -> Iterator[KafkaBroker]:
+    """One single-node Apache Kafka for the session (temporary data dir; never restarted).
+
+    The first use fetches the jars with Maven (``make kafka-jars`` does it ahead of time).
+    Tests that stop or kill a broker start their own :class:`KafkaBroker` instead.
+    """
+    with KafkaBroker() as kafka:
+        yield kafka
+
+
+@pytest.fixture(
+    scope="session",
+    params=["embedded", pytest.param("kafka", marks=pytest.mark.apache_kafka)],
+)
+def kafka_broker(request: pytest.FixtureRequest) -> Broker:
+    """The session broker of this side of the parametrization: Tansu, then Apache Kafka.
+
+    Tests sharing it must use their own topic and group names (see ``app_id``). Use it from
+    tests marked ``kafka``; ``broker_kind`` tells which side runs.
+    """
+    name = "embedded_broker" if request.param == "embedded" else "apache_kafka"
+    broker: Broker = request.getfixturevalue(name)
+    return broker
+
+
+@pytest.fixture
+def broker_kind(kafka_broker: Broker) -> Literal["embedded", "kafka"]:
+    """``"embedded"`` or ``"kafka"``: which ``kafka_broker`` runs (the workers' ``broker_kind``)."""
+    return "embedded" if isinstance(kafka_broker, EmbeddedBroker) else "kafka"
 
 
 @pytest.fixture

@@ -25,7 +25,7 @@ such records) to each changelog partition written since the last seal: a one-rec
 the broker reports correctly. Restarts after traffic stopped are then exact; a crash in the
 middle of traffic can still lose the tail of the last batch when a table is restored from the
 changelog (not when the worker keeps its data dir). Apache Kafka answers ListOffsets correctly
-and needs none of this; the seals are cheap there (one record per partition per idle period).
+and needs none of this: the sealer runs only with ``broker_kind="embedded"``.
 """
 
 from __future__ import annotations
@@ -68,13 +68,20 @@ class ChangelogSealer:
         app: The Faust app (its producer and assignment).
         tables: The tables whose changelogs are sealed.
         idle_s: Seconds without a flush before sealing.
+        enabled: False: write no seals (Apache Kafka reports changelog ends correctly); the
+            producer is still flushed on revoke and shutdown, so a partition's next owner reads
+            every changelog record its last owner wrote.
 
     Attributes:
         seals: Partition seals written so far (one tombstone per table each).
     """
 
-    def __init__(self, app: faust.App, tables: Sequence[Any], idle_s: float = SEAL_IDLE_S) -> None:
+    def __init__(
+        self, app: faust.App, tables: Sequence[Any], idle_s: float = SEAL_IDLE_S,
+        *, enabled: bool = True,
+    ) -> None:
         self.app = app
+        self.enabled = enabled
         self.tables = list(tables)
         self.idle_s = idle_s
         self.seals = 0
@@ -85,6 +92,8 @@ class ChangelogSealer:
 
     def touched(self, partition: int) -> None:
         """A row of ``partition`` is being written."""
+        if not self.enabled:
+            return
         self._dirty.add(partition)
         self._generation += 1
 
@@ -95,6 +104,8 @@ class ChangelogSealer:
             self._timer = None
         if getattr(self.app, "should_stop", False):
             await self.seal(wait=True)
+            return
+        if not self.enabled:
             return
         self._timer = asyncio.get_running_loop().call_later(self.idle_s, self._on_idle)
 
@@ -157,17 +168,19 @@ class FaustDeviceTables:
         stats / windows: The tables.
         request_topic: Name of the request topic (the tables' source topic).
         partitions: Its partition count, for stand-in events when the app cannot tell.
+        seal_changelogs: Seal the changelogs (:class:`ChangelogSealer`; embedded broker only).
     """
 
     def __init__(
-        self, app: faust.App, stats: Any, windows: Any, *, request_topic: str, partitions: int
+        self, app: faust.App, stats: Any, windows: Any, *, request_topic: str, partitions: int,
+        seal_changelogs: bool = True,
     ) -> None:
         self.app = app
         self.stats = stats
         self.windows = windows
         self.request_topic = request_topic
         self.partitions = partitions
-        self.sealer = ChangelogSealer(app, [stats, windows])
+        self.sealer = ChangelogSealer(app, [stats, windows], enabled=seal_changelogs)
 
         @app.on_partitions_revoked.connect  # type: ignore[arg-type]
         async def _seal_on_revoke(app_: Any, revoked: Any, **kwargs: Any) -> None:
@@ -257,4 +270,5 @@ def define_tables(app: faust.App, settings: Settings) -> FaustDeviceTables:
     return FaustDeviceTables(
         app, stats, windows,
         request_topic=settings.request_topic, partitions=settings.topic_partitions,
+        seal_changelogs=settings.broker_kind == "embedded",
     )

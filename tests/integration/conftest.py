@@ -1,4 +1,8 @@
-"""Fixtures for tests that run a real worker against the session's embedded broker."""
+"""Fixtures for tests that run a real worker against the session broker.
+
+Every test here runs on both brokers (``kafka_broker`` is parametrized in tests/conftest.py):
+the autouse fixture below tells the workers (and ``load_settings``) which kind they talk to.
+"""
 
 from __future__ import annotations
 
@@ -8,14 +12,20 @@ from typing import Any
 
 import pytest
 
-from streamapp.broker import EmbeddedBroker
 from streamapp.kafka import create_topics
 from streamapp.process import WorkerProcess
 from streamapp.settings import Settings, load_settings
+from tests.conftest import Broker
+
+
+@pytest.fixture(autouse=True)
+def _broker_kind_env(broker_kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``STREAMAPP_BROKER_KIND`` for this test's workers (children inherit the environment)."""
+    monkeypatch.setenv("STREAMAPP_BROKER_KIND", broker_kind)
 
 
 @pytest.fixture
-def worker_settings(kafka_broker: EmbeddedBroker, app_id: str) -> Settings:
+def worker_settings(kafka_broker: Broker, app_id: str) -> Settings:
     """Settings of a fresh worker: its own group and its own topics (prefix = app id)."""
     settings = load_settings(
         broker=kafka_broker.url, app_id=app_id, topic_prefix=f"{app_id}.", topic_partitions=4,

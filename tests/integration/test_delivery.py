@@ -29,7 +29,7 @@ from streamapp.client import (
 from streamapp.process import WorkerProcess
 from streamapp.settings import Settings
 
-pytestmark = [pytest.mark.kafka, pytest.mark.slow]
+pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 BATCH, INFLIGHT = 32, 2
 MAX_PENDING = BATCH * (INFLIGHT + 1)
@@ -101,7 +101,7 @@ async def test_sigkill_at_random_moments_loses_nothing(
         for kill in range(kills):
             # let it run a random while (at least some results beyond the last kill), then kill
             target = (kill + 1) * total // (kills + 2) + rng.randrange(0, total // (kills * 4))
-            deadline = time.monotonic() + 120
+            deadline = time.monotonic() + 300  # generous: the 2-core machine may be shared
             while await _count_results(bootstrap, settings) < target:
                 assert time.monotonic() < deadline, worker.log_tail()
                 assert worker.process is not None and worker.process.poll() is None, \
@@ -151,7 +151,8 @@ async def test_a_worker_joining_and_leaving_during_traffic_loses_nothing(
             second = _worker(settings, tmp_path, f"b{round_}").start()
             await asyncio.to_thread(second.wait_ready)
             await asyncio.sleep(3)
-            assert second.stop() == 0, second.log_tail()  # SIGTERM: leaves the group cleanly
+            # SIGTERM: leaves the group cleanly (the drain may take long on a loaded machine)
+            assert second.stop(timeout_s=60) == 0, second.log_tail()
         await publisher
         out = await collect_outcomes(
             bootstrap, settings.result_topic, settings.dlq_topic,

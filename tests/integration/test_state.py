@@ -191,7 +191,8 @@ async def test_two_workers_answer_for_every_device_with_the_counts_that_were_sen
     w2.wait_ready()
     status, _, body = _get(w1, "/ready")
     assert status == 200 and body["checks"] == {
-        "partitions_assigned": True, "engines_warm": True, "tables_recovered": True}
+        "partitions_assigned": True, "engines_warm": True, "tables_recovered": True,
+        "broker_reachable": True}
 
     def split() -> bool:  # both ready and owning disjoint halves of the 4 partitions
         owned = []

@@ -101,11 +101,11 @@ def test_create_topics_unreachable_broker_raises() -> None:
 
 
 async def test_tansu_auto_creates_topics_on_metadata_request(
-    kafka_broker: EmbeddedBroker, app_id: str
+    embedded_broker: EmbeddedBroker, app_id: str
 ) -> None:
     """Pins a Tansu behaviour the app must design around (see streamapp.broker docstring)."""
     asked_without, asked_with = f"{app_id}-no-auto", f"{app_id}-auto"
-    client = AIOKafkaClient(bootstrap_servers=kafka_broker.bootstrap_servers)
+    client = AIOKafkaClient(bootstrap_servers=embedded_broker.bootstrap_servers)
     await client.bootstrap()
     try:
         node = client.get_random_node()
@@ -121,16 +121,16 @@ async def test_tansu_auto_creates_topics_on_metadata_request(
         (t["topic"], t["error_code"], len(t["partitions"])) for t in created.to_object()["topics"]
     ] == [(asked_with, 0, 4)]
     # The auto-created topic now exists, so create_topics leaves it (and its 4 partitions) alone.
-    assert create_topics(kafka_broker.bootstrap_servers, {asked_with: 1}) == []
+    assert create_topics(embedded_broker.bootstrap_servers, {asked_with: 1}) == []
 
 
-def test_busy_port_fails_with_clear_error(kafka_broker: EmbeddedBroker) -> None:
-    busy_port = kafka_broker.port
+def test_busy_port_fails_with_clear_error(embedded_broker: EmbeddedBroker) -> None:
+    busy_port = embedded_broker.port
 
     with pytest.raises(BrokerError, match=rf"port {busy_port} .*already in use"):
         EmbeddedBroker(port=busy_port).start()
 
-    assert kafka_broker.is_running()
+    assert embedded_broker.is_running()
 
 
 def test_stop_kills_process_and_is_idempotent() -> None:
