@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 
-from streamapp.broker import create_topics
+from streamapp.kafka import create_topics
 from streamapp.kafka_server import KafkaBroker, _java, ensure_kafka_jars
 
 SIZES = {"digits (171 B)": 171, "resnet tensor (301 kB)": 301_000}

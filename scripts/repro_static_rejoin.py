@@ -29,7 +29,8 @@ import time
 import uuid
 from pathlib import Path
 
-from streamapp.broker import EmbeddedBroker, create_topics
+from streamapp.broker import EmbeddedBroker
+from streamapp.kafka import create_topics
 
 # One group member: prints "ASSIGNED <partitions of the first topic>" on each assignment.
 MEMBER = r"""

@@ -133,7 +133,7 @@ def create_app(settings: Settings | None = None) -> faust.App:
     """
     if settings is None:
         settings = load_settings()
-    conf = resolve_broker_kind(settings)
+    conf = settings
     app = faust.App(conf.app_id, **faust_options(conf))
     raw = {"key_type": bytes, "value_type": bytes, "key_serializer": "raw",
            "value_serializer": "raw"}
@@ -233,7 +233,7 @@ def __getattr__(name: str) -> Any:
             from streamapp.datadir import lock_data_dir
 
             lock_data_dir(settings.data_dir)
-        built = create_app(settings)
+        built = create_app(resolve_broker_kind(settings))
         globals()["app"] = built
         return built
     raise AttributeError(name)

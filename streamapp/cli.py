@@ -95,7 +95,7 @@ def worker(
     Every option can also be set as an environment variable STREAMAPP_<OPTION> (flags win).
     """
     from streamapp.datadir import lock_data_dir
-    from streamapp.kafka import create_topics, kafka_security_options
+    from streamapp.kafka import create_topics, kafka_security_options, resolve_broker_kind
     from streamapp.settings import load_settings
 
     flags: dict[str, Any] = dict(
@@ -106,7 +106,7 @@ def worker(
         data_dir=data_dir, log_level=log_level,
     )
     try:
-        settings = load_settings(**flags)
+        settings = resolve_broker_kind(load_settings(**flags))
         # One process per data directory (RocksDB): fail here, before joining the group.
         lock_data_dir(settings.data_dir, holder="supervisor" if processes else "worker")
         app = None

@@ -359,8 +359,8 @@ def detect_broker_kind(settings: Settings, timeout_s: float = 10.0) -> str:
             request_timeout_ms=int(timeout_s * 1000),
             **kafka_security_options(settings),
         )
-        await start_or_close(admin)
         try:
+            await admin.start()
             described = await asyncio.wait_for(admin.describe_cluster(), timeout_s)
         finally:
             await admin.close()

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 
-from streamapp.broker import create_topics
 from streamapp.client import (
     Outcomes,
     collect_outcomes,
@@ -27,6 +26,7 @@ from streamapp.client import (
     load_digits_frames,
     publish,
 )
+from streamapp.kafka import create_topics
 from streamapp.kafka_server import KafkaBroker
 from streamapp.process import WorkerProcess
 from streamapp.settings import Settings, load_settings
