@@ -479,6 +479,10 @@ def plot_scaleout(results: Mapping[str, Any], out: Path) -> Path | None:
             if eff:
                 bottom.plot(*zip(*eff, strict=True), marker="o", label=label,
                             color=line.get_color())
+        all_ns = sorted({r["n"] for k, rs in rows.items() for r in rs
+                         if section["series"][k]["workload"] == wl})
+        for ax in (top, bottom):
+            ax.set_xticks(all_ns)
         top.set_yscale("log")
         top.set_title(f"{wl}: aggregate (dotted: N × single)", fontsize=9)
         top.set_xlabel("N processes")
@@ -486,7 +490,9 @@ def plot_scaleout(results: Mapping[str, Any], out: Path) -> Path | None:
         top.grid(True, alpha=0.3)
         top.legend(fontsize=7)
         bottom.axhline(0.8, color="grey", linestyle="--", linewidth=0.8)
-        bottom.set_ylim(0, 1.3)
+        effs = [r["efficiency"] for k, rs in rows.items() for r in rs
+                if section["series"][k]["workload"] == wl and r.get("efficiency")]
+        bottom.set_ylim(0, max([1.3, *[e + 0.1 for e in effs]]))
         bottom.set_xlabel("N processes")
         bottom.set_ylabel("efficiency = aggregate ÷ (N × single)")
         bottom.grid(True, alpha=0.3)

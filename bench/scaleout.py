@@ -137,7 +137,7 @@ SCALE_PROFILES: dict[str, ScaleProfile] = {
     "smoke": ScaleProfile("smoke", (
         ScalePlan("digits", ns=(1, 2), partitions=8, devices=64, backlog_per_worker=400,
                   ceiling_backlog_per_client={"aiokafka": 3_000, "faust": 300},
-                  drain_timeout_s=40.0, closed_s=1.0, closed_window_per_worker=200),
+                  drain_timeout_s=40.0, closed_s=2.0, closed_window_per_worker=200),
     ), start_s=7.0),
     # make bench: the 2-core machine (digits only: ResNet-50 on 2 CPU cores is engine-bound).
     "cpu": ScaleProfile("cpu", (
@@ -422,6 +422,10 @@ async def _drain(broker: EmbeddedBroker, outcome_topics: Sequence[str], k: int,
             out["dead"] = fleet.dead()
         out["sampler"] = sampler
         return out
+    except BaseException:
+        if sampler is not None:
+            sampler.__exit__()
+        raise
     finally:
         await collector.stop()
 
@@ -640,7 +644,9 @@ class Step:
 def _fmt_point(p: Mapping[str, Any]) -> str:
     util = p.get("utilisation") or {}
     cpu = [c for c in _per_worker(util, p["n"]) if c is not None]
-    parts = [f"{p.get('results_per_s') or 0:,.0f} results/s first→last"
+    rate = p.get("results_per_s")
+    parts = [(f"{rate:,.0f} results/s first→last" if rate is not None else
+              f"drain of {p.get('drain_s')} s too short to time")
              + ("" if p.get("complete") else f" INCOMPLETE ({p.get('outcomes')} of "
                 f"{p.get('backlog')})")]
     if p.get("steady_per_s"):
