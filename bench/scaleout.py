@@ -377,9 +377,10 @@ def _count_only(_value: bytes) -> tuple[float, int | None]:
 
 async def _drain(broker: EmbeddedBroker, outcome_topics: Sequence[str], k: int,
                  start: Callable[[], None], fleet: Fleet, timeout_s: float,
-                 ) -> dict[str, Any]:
-    """Start collecting, start the fleet (in a thread), wait for ``k`` outcomes; sample the
-    fleet, the broker and this process from the moment the processes exist."""
+                 cap: Callable[[float], float] = lambda t: t) -> dict[str, Any]:
+    """Start collecting, start the fleet (in a thread), wait up to ``cap(timeout_s)`` after
+    it is up for ``k`` outcomes; sample the fleet, the broker and this process from the moment
+    the processes exist."""
     collector = await load.Collector(broker.bootstrap_servers, outcome_topics,
                                      _count_only).start()
     t_launch = time.time()
@@ -395,7 +396,7 @@ async def _drain(broker: EmbeddedBroker, outcome_topics: Sequence[str], k: int,
         if sampler is None:
             sampler = Sampler({**fleet.pids, "broker": broker.pid or 0,
                                "bench": os.getpid()}).__enter__()
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + cap(timeout_s)
         while collector.count < k and time.monotonic() < deadline and not fleet.dead():
             await collector.wait_progress(0.5)
         arrivals = collector.arrivals
@@ -506,7 +507,7 @@ class ScaleOut:
         """``wanted_s``, or less when the budget's deadline comes first (at least 5 s)."""
         if self.deadline is None:
             return wanted_s
-        return max(5.0, min(wanted_s, self.deadline - time.monotonic() - 10.0))
+        return max(5.0, min(wanted_s, self.deadline - time.monotonic() - 15.0))
 
     def _wl(self, plan: ScalePlan) -> Workload:
         if plan.workload not in self._workloads:
@@ -566,7 +567,7 @@ class ScaleOut:
                     broker, [topics["result"], topics["dlq"]], k,
                     lambda: launch_workers(fleet, self.launcher, settings, n, self.logs, name,
                                            self.timeout(max(60.0, self.profile.start_s * 6))),
-                    fleet, self.timeout(plan.drain_timeout_s + self.profile.start_s * 4)))
+                    fleet, plan.drain_timeout_s + self.profile.start_s * 4, self.timeout))
                 sampler: Sampler = res.pop("sampler")
                 res["worker_results"] = [_results_count(u) for u in fleet.urls]
                 res["ready_s"] = fleet.ready_s
@@ -607,7 +608,7 @@ class ScaleOut:
                     broker, [sink], k,
                     lambda: _launch_clients(fleet, kind, n, broker, source, sink, group,
                                             plan.partitions, self.logs, name, max_request),
-                    fleet, self.timeout(plan.drain_timeout_s + 30.0)))
+                    fleet, plan.drain_timeout_s + 30.0, self.timeout))
                 res.pop("sampler").__exit__()
             finally:
                 fleet.stop()
