@@ -569,11 +569,13 @@ class ScaleOut:
                                            self.timeout(max(60.0, self.profile.start_s * 6))),
                     fleet, plan.drain_timeout_s + self.profile.start_s * 4, self.timeout))
                 sampler: Sampler = res.pop("sampler")
-                res["worker_results"] = [_results_count(u) for u in fleet.urls]
-                res["ready_s"] = fleet.ready_s
-                if plan.closed_s > 0 and res["complete"]:
-                    res["closed_loop"] = self._closed(plan, wl, n, broker, topics, sampler)
-                sampler.__exit__()
+                try:
+                    res["worker_results"] = [_results_count(u) for u in fleet.urls]
+                    res["ready_s"] = fleet.ready_s
+                    if plan.closed_s > 0 and res["complete"]:
+                        res["closed_loop"] = self._closed(plan, wl, n, broker, topics, sampler)
+                finally:
+                    sampler.__exit__()
             finally:
                 fleet.stop()
         res.update(n=n, produce_per_s=round(produce_per_s))
