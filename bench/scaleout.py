@@ -629,10 +629,16 @@ def _run(coro: Any) -> Any:
     return asyncio.run(coro)
 
 
-def _results_count(url: str) -> int:
-    from bench.run import _results_count as count
+def _results_count(url: str) -> int | None:
+    """The worker's own count of results (``/metrics``); None when it does not answer."""
+    from bench.run import _RESULTS
 
-    return count(url)
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+            body = r.read()
+    except OSError:
+        return None
+    return int(sum(float(m) for m in _RESULTS.findall(body)))
 
 
 @dataclass(frozen=True)
