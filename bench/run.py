@@ -215,7 +215,7 @@ class Bench:
     def roundtrip(self, plan: Plan, wl: Workload, rate: float) -> dict[str, Any]:
         """Open loop at ``rate`` through one plain aiokafka client that forwards request →
         result (:mod:`bench.relay`): the transport's share of the latency budget."""
-        from bench.scaleout import Fleet, _launch_clients
+        from bench.scaleout import Fleet, launch_clients
 
         with fresh_broker(self.logs, f"roundtrip-{wl.name}") as broker:
             group = f"bench-rt-{uuid.uuid4().hex[:6]}"
@@ -224,7 +224,7 @@ class Bench:
                           {source: plan.partitions, sink: plan.partitions})
             fleet = Fleet()
             try:
-                _launch_clients(fleet, "aiokafka", 1, broker, source, sink, group,
+                launch_clients(fleet, "aiokafka", 1, broker, source, sink, group,
                                 plan.partitions, self.logs, f"roundtrip-{wl.name}",
                                 int(plan.producer.get("max_request_size", 1 << 20)))
                 _run(load.probe_until_flowing(broker.bootstrap_servers, source, sink, 60.0))

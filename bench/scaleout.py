@@ -45,8 +45,8 @@ from bench.workloads import Workload, result_parse, workload
 from streamapp.broker import EmbeddedBroker, create_topics
 from streamapp.process import WorkerProcess, free_port
 
-__all__ = ["LAUNCHERS", "SCALE_PROFILES", "ScalePlan", "ScaleProfile", "launch_workers",
-           "limiting", "run_scaleout", "summarize_series"]
+__all__ = ["LAUNCHERS", "SCALE_PROFILES", "Fleet", "ScalePlan", "ScaleProfile", "launch_clients",
+           "launch_workers", "limiting", "run_scaleout", "summarize_series"]
 
 Log = Callable[[str], None]
 
@@ -305,7 +305,7 @@ def launch_workers(fleet: Fleet, launcher: str, settings: Mapping[str, Any], n: 
     fleet.launched.set()
 
 
-def _launch_clients(fleet: Fleet, kind: str, n: int, broker: EmbeddedBroker, source: str,
+def launch_clients(fleet: Fleet, kind: str, n: int, broker: EmbeddedBroker, source: str,
                     sink: str, group: str, partitions: int, logs: Path, name: str,
                     max_request: int) -> None:
     """N ceiling clients of one group: ``aiokafka`` relays or ``faust`` forwarders."""
@@ -610,7 +610,7 @@ class ScaleOut:
             try:
                 res = _run(_drain(
                     broker, [sink], k,
-                    lambda: _launch_clients(fleet, kind, n, broker, source, sink, group,
+                    lambda: launch_clients(fleet, kind, n, broker, source, sink, group,
                                             plan.partitions, self.logs, name, max_request),
                     fleet, plan.drain_timeout_s + 30.0, self.timeout))
                 res.pop("sampler").__exit__()
