@@ -296,7 +296,7 @@ class Bench:
         res = _run(load.closed_loop(
             broker.bootstrap_servers, topics["request"], [topics["result"], topics["dlq"]],
             wl.payload, result_parse, window=plan.window, warmup_s=0.5, duration_s=seconds,
-            producer_options=plan.producer))
+            producer_options=plan.producer, from_end=True))
         _, err = spy.communicate(timeout=60)
         if spy.returncode != 0 or not raw.is_file():
             msg = err.decode(errors="replace")[-500:]
