@@ -273,7 +273,11 @@ async def open_loop(
     """Send at ``rate``/s for ``warmup_s + duration_s`` (``ts`` = scheduled time), wait up to
     ``drain_s`` for the outcomes, and report the latency of requests scheduled in the measured
     window (arrival − ts, so queueing behind a late generator counts)."""
-    collector = await Collector(bootstrap, outcome_topics, parse).start()
+    # min_ts from the start: the collector reads from the beginning at once, and outcomes of
+    # an earlier run on the same topics (smoke: the saturation run's) must not count as this
+    # run's while the producer starts (under load they made a level "complete" with none of
+    # its own results read).
+    collector = await Collector(bootstrap, outcome_topics, parse, min_ts=time.time()).start()
     producer = _producer(bootstrap, dict(producer_options or {}))
     await producer.start()
     sender = _Sender(producer, request_topic, payload)

@@ -181,6 +181,8 @@ def format_report(results: Mapping[str, Any]) -> str:
                 f"{b['broker_rss_mib_after_produce']:,.0f} MiB")
     if results.get("scaleout", {}).get("series") or results.get("scaleout", {}).get("skipped"):
         lines += format_scaleout(results["scaleout"], env)
+    if not results.get("workloads"):
+        return "\n".join(lines)
     lines.append("")
     lines.append("columns: req/s = results per second; latency = request ts → result arrival; "
                  "batch = mean batch size per request; CPU in % of one core: wCPU worker "
@@ -322,7 +324,8 @@ def format_scaleout(section: Mapping[str, Any], env: Mapping[str, Any] | None = 
                  f"{section.get('elapsed_s', 0):.0f} s): N processes of one group drain a "
                  "backlog of K requests produced before they start; results/s = first → last "
                  "result; steady = middle 80 % of the results; efficiency = results/s ÷ (N × "
-                 "the N = 1 results/s of the same series); CPU in % of one core; limit = the "
+                 "the N = 1 results/s of the same series); CPU in % of one core (other% = every "
+                 "process not part of the measurement; host% = all cores); limit = the "
                  "resource nearest its limit when ≥ 80 % of it (worker CPU ÷ 100 % per worker, "
                  "broker CPU and host CPU ÷ all cores, GPU util, transport = results/s ÷ the "
                  "aiokafka clients' at the same N)")
@@ -343,7 +346,8 @@ def format_scaleout(section: Mapping[str, Any], env: Mapping[str, Any] | None = 
                          f"devices; K = min({p['backlog_max']:,}, {p['backlog_per_worker']:,}"
                          " × N)")
         lines.append(f"  {'N':>3}{'K':>8}{'results/s':>11}{'steady/s':>10}{'effic.':>8}"
-                     f"  {'each worker CPU %':<22}{'broker%':>8}{'host%':>7}{'GPU%':>6}"
+                     f"  {'each worker CPU %':<22}{'broker%':>8}{'other%':>7}{'host%':>6}"
+                     f"{'GPU%':>6}"
                      f"{'closed/s':>10}  limit")
         for r in rows:
             util = r.get("utilisation") or {}
@@ -360,7 +364,8 @@ def format_scaleout(section: Mapping[str, Any], env: Mapping[str, Any] | None = 
                 f"  {r['n']:>3}{r['backlog']:>8,}{_f(r.get('results_per_s')):>11}"
                 f"{_f(r.get('steady_per_s')):>10}{_f(r.get('efficiency'), '.2f'):>8}  "
                 f"{_cpu_list(workers):<22}{_f(util.get('cpu_pct', {}).get('broker')):>8}"
-                f"{_f(util.get('machine_cpu_pct')):>7}{_f(util.get('gpu_util_pct')):>6}"
+                f"{_f(util.get('other_cpu_pct')):>7}{_f(util.get('machine_cpu_pct')):>6}"
+                f"{_f(util.get('gpu_util_pct')):>6}"
                 f"{_f(closed):>10}  {limit}{flag}")
     for name, e in section.get("engine", {}).items():
         lines.append(f"engine alone ({name}, batch {e.get('batch')}): "
@@ -479,6 +484,10 @@ def plot_scaleout(results: Mapping[str, Any], out: Path) -> Path | None:
             if eff:
                 bottom.plot(*zip(*eff, strict=True), marker="o", label=label,
                             color=line.get_color())
+        all_ns = sorted({r["n"] for k, rs in rows.items() for r in rs
+                         if section["series"][k]["workload"] == wl})
+        for ax in (top, bottom):
+            ax.set_xticks(all_ns)
         top.set_yscale("log")
         top.set_title(f"{wl}: aggregate (dotted: N × single)", fontsize=9)
         top.set_xlabel("N processes")
@@ -486,7 +495,9 @@ def plot_scaleout(results: Mapping[str, Any], out: Path) -> Path | None:
         top.grid(True, alpha=0.3)
         top.legend(fontsize=7)
         bottom.axhline(0.8, color="grey", linestyle="--", linewidth=0.8)
-        bottom.set_ylim(0, 1.3)
+        effs = [r["efficiency"] for k, rs in rows.items() for r in rs
+                if section["series"][k]["workload"] == wl and r.get("efficiency")]
+        bottom.set_ylim(0, max([1.3, *[e + 0.1 for e in effs]]))
         bottom.set_xlabel("N processes")
         bottom.set_ylabel("efficiency = aggregate ÷ (N × single)")
         bottom.grid(True, alpha=0.3)
