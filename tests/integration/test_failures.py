@@ -56,7 +56,7 @@ def faulty_worker(
     worker_settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     request: pytest.FixtureRequest,
 ) -> Iterator[WorkerProcess]:
-    options: dict[str, Any] = request.param
+    options: dict[str, Any] = dict(request.param)  # a copy: each broker side pops "faults"
     faults = options.pop("faults")
     monkeypatch.setenv("ENGINES_FAULTS", json.dumps(faults))
     monkeypatch.setenv(PLUGINS_ENV, FAULTS_PLUGIN)  # the worker process registers "faulty"

@@ -56,17 +56,8 @@ def _table_counts(worker: WorkerProcess) -> dict[str, dict[str, Any]]:
 
 
 async def test_device_counts_stay_exact_across_handovers(
-    kafka_broker: EmbeddedBroker, worker_settings: Settings, tmp_path: Path, broker_kind: str,
-    request: pytest.FixtureRequest,
+    kafka_broker: EmbeddedBroker, worker_settings: Settings, tmp_path: Path
 ) -> None:
-    if broker_kind == "kafka":
-        # Seen in 2 of 2 runs on Apache Kafka 4.4.0 (2-core machine under load): no result
-        # lost or duplicated on the topic, but the tables counted 3-7 % more results per device
-        # than the topic holds. Not yet explained; issue 12 report.
-        request.applymarker(pytest.mark.xfail(
-            reason="device tables over-count results after handovers on Apache Kafka",
-            strict=False,
-        ))
     settings = worker_settings
     bootstrap = kafka_broker.bootstrap_servers
     images, _ = load_digits_frames()
