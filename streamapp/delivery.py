@@ -57,10 +57,14 @@ class Consumer(Protocol):
         """Commit ``{(topic, partition): next offset}`` for the group; True when accepted."""
         ...
 
-    async def settled_position(self, topic: str, partition: int) -> int | None:
-        """The consumer's fetch position of the partition, but only while the consumer holds
-        none of the records it fetched before that position in a buffer (they then have all
-        been handed to the agent, or were dropped); None while it may (or when unknown)."""
+    def settled(self, topic: str) -> bool:
+        """Whether the consumer surely holds no record of ``topic`` that it fetched and has not
+        handed to the agent yet (False while it may: then its position runs ahead of what the
+        agent was handed without any record being skipped)."""
+        ...
+
+    async def position(self, topic: str, partition: int) -> int | None:
+        """The consumer's fetch position of the partition (None: unknown)."""
         ...
 
     async def read_range(self, topic: str, partition: int, start: int, end: int) -> list[Record]:
@@ -79,8 +83,8 @@ class DeliveryStats:
         gap_reads: Times records the consumer skipped were read directly from the broker
             (at admission, or by the idle sweep).
         gap_records: Records those reads handed out.
-        sweep_skips: Idle sweeps of a partition that did not look because the consumer still
-            held fetched records in its buffers.
+        sweep_skips: Sweeps that did not look because the consumer may still have held fetched
+            records in its buffers, or the pipeline applied backpressure.
     """
 
     commits: int = 0
@@ -114,6 +118,9 @@ class Delivery:
         self._tp_locks: dict[TP, asyncio.Lock] = {}
         self._last_admit_at = 0.0
         self._last_rebalance_at = 0.0
+        self._last_unsettled_at = 0.0
+        #: Consumer position of each partition at the previous sweep.
+        self._positions: dict[TP, int] = {}
         self._process: Callable[[SourceMessage], Awaitable[None]] | None = None
         self._busy: Callable[[], bool] = lambda: False
         self._tasks: list[asyncio.Task[None]] = []
@@ -249,12 +256,13 @@ class Delivery:
         """Find records the consumer skipped at the *end* of a partition, where no later record
         arrives to reveal the gap, and process them.
 
-        Only when no record was admitted for ``gap_idle_s``, the pipeline is not applying
-        backpressure, and the consumer says it holds no fetched record of the partition in its
-        buffers (:meth:`Consumer.settled_position`): with a backlog the consumer's position runs
-        thousands of records ahead of what the agent was handed, and reading those directly
-        would read them twice (they were processed once: the second copy is dropped as already
-        read, but the direct read costs a consumer and holds up the partition).
+        Only when, for ``gap_idle_s``, no record was admitted, no rebalance happened, the
+        pipeline applied no backpressure and the consumer said at every sweep that it held no
+        fetched record in its buffers (:meth:`Consumer.settled`), and only for a partition whose
+        position did not move since the previous sweep. With a backlog the consumer's position
+        runs far ahead of what the agent was handed; reading those records directly read them a
+        second time (the second copy is dropped as already read, but the direct read costs a
+        consumer and thousands of records processed from the sweeper's task).
 
         Returns:
             How many records were recovered.
@@ -262,19 +270,26 @@ class Delivery:
         if self._assigned is None or self._process is None:
             return 0
         now = time.monotonic()
-        if now - max(self._last_admit_at, self._last_rebalance_at) < self.gap_idle_s:
-            return 0  # records may still be in Faust's buffers, or partitions moving
-        if self._busy():
+        assigned = sorted(self._assigned)
+        if self._busy() or not all(self.consumer.settled(t) for t in {tp[0] for tp in assigned}):
+            self._last_unsettled_at = now
+            self.stats.sweep_skips += 1
+            return 0
+        quiet_since = max(self._last_admit_at, self._last_rebalance_at, self._last_unsettled_at)
+        if now - quiet_since < self.gap_idle_s:
             return 0
         recovered = 0
-        for tp in sorted(self._assigned):
-            position = await self.consumer.settled_position(*tp)
+        for tp in assigned:
+            position = await self.consumer.position(*tp)
+            previous = self._positions.get(tp)
             if position is None:
-                self.stats.sweep_skips += 1
                 continue
+            self._positions[tp] = position
+            if position != previous:
+                continue  # it just fetched: wait one more sweep
             async with self._lock_for(tp):
-                if tp not in self._assigned:  # revoked meanwhile
-                    continue
+                if tp not in self._assigned or not self.consumer.settled(tp[0]):
+                    continue  # revoked or busy meanwhile
                 state = await self.tracker.ensure(*tp)
                 if position <= state.next_offset:
                     continue
@@ -325,6 +340,7 @@ class Delivery:
         and the state of any other partition is dropped."""
         self._last_rebalance_at = time.monotonic()
         self._assigned = set(assigned)
+        self._positions.clear()
         self.tracker.forget(tp for tp in self.tracker.assigned() if tp not in self._assigned)
 
     async def on_revoked(self, revoked: set[TP]) -> None:

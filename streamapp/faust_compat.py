@@ -222,30 +222,26 @@ class FaustConsumer:
     async def commit(self, offsets: Mapping[tuple[str, int], int]) -> bool:
         return await commit_offsets(self.app, offsets)
 
-    async def settled_position(self, topic: str, partition: int) -> int | None:
-        if self._may_hold_records(topic):
-            return None
+    async def position(self, topic: str, partition: int) -> int | None:
         position = await self.app.consumer.position(TP(topic, partition))
         return None if position is None else int(position)
 
-    def _may_hold_records(self, topic: str) -> bool:
-        """Whether Faust may hold records of ``topic`` it fetched but has not handed to the
+    def settled(self, topic: str) -> bool:
+        """False while Faust may hold records of ``topic`` it fetched but has not handed to the
         agent: while rebalancing, recovering tables (it seeks back afterwards), stopping, with
         its flow suspended, while its conductor waits for the producer buffer (it then holds a
         fetched batch), or while the topic's stream buffers are not empty."""
         app = self.app
         if app.rebalancing or app.in_recovery or app.should_stop:
-            return True
-        if not app.flow_control.is_active():
-            return True
-        if producer_buffer_stalled(app):
-            return True
+            return False
+        if not app.flow_control.is_active() or producer_buffer_stalled(app):
+            return False
         # The conductor's index of the channels (agents' stream buffers) of each topic; Faust
         # has no public call for it.
         channels = getattr(app.topics, "_topic_name_index", None)
         if channels is None:
-            return True  # cannot tell: never read what may still arrive
-        return any(not channel.queue.empty() for channel in channels.get(topic, ()))
+            return False  # cannot tell: never read what may still arrive
+        return all(channel.queue.empty() for channel in channels.get(topic, ()))
 
     async def read_range(
         self, topic: str, partition: int, start: int, end: int

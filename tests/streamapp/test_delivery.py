@@ -21,6 +21,7 @@ class FakeConsumer:
         self.records = records
         self.start = start
         self.at = position
+        self.is_settled = True
         self.commits: list[dict[TP, int]] = []
         self.reads: list[tuple[int, int, int]] = []
 
@@ -31,7 +32,10 @@ class FakeConsumer:
         self.commits.append(dict(offsets))
         return True
 
-    async def settled_position(self, topic: str, partition: int) -> int | None:
+    def settled(self, topic: str) -> bool:
+        return self.is_settled
+
+    async def position(self, topic: str, partition: int) -> int | None:
         return self.at
 
     async def read_range(self, topic: str, partition: int, start: int, end: int) -> list[Record]:
@@ -103,7 +107,14 @@ async def test_sweep_reads_records_skipped_at_the_end_of_a_partition() -> None:
     assert await d.sweep_gaps() == 0  # not idle yet: records may still be in Faust's buffers
     d._last_admit_at -= 10  # idle for a while, and no rebalance lately
     d._last_rebalance_at -= 10
-    assert await d.sweep_gaps() == 4
+    consumer.is_settled = False  # Faust may still hold fetched records
+    assert await d.sweep_gaps() == 0
+    consumer.is_settled = True
+    assert await d.sweep_gaps() == 0  # it was not settled for the whole idle time
+    d._last_unsettled_at -= 10
+    assert await d.sweep_gaps() == 0  # first look at the position: it may have just moved
+    assert consumer.reads == []
+    assert await d.sweep_gaps() == 4  # the same position one sweep later: skipped records
     assert processed == [10, 11, 12, 13, 14, 15]
     assert d.tracker.committable() == {(T, 0): 16}
     assert await d.sweep_gaps() == 0  # nothing left

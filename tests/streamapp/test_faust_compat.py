@@ -1,4 +1,4 @@
-"""FaustConsumer.settled_position: no position while Faust may still hold fetched records."""
+"""FaustConsumer.settled: False while Faust may still hold fetched records; the producer buffer."""
 
 from __future__ import annotations
 
@@ -39,24 +39,24 @@ def _app() -> Any:
     )
 
 
-async def test_the_position_is_given_only_when_faust_holds_no_fetched_record() -> None:
+async def test_settled_only_when_faust_holds_no_fetched_record() -> None:
     app = _app()
     consumer = FaustConsumer(app, Settings())
-    assert await consumer.settled_position(T, 0) == 42
+    assert consumer.settled(T) and await consumer.position(T, 0) == 42
     app.channel.queue.put_nowait("event")  # the agent has not taken it yet
-    assert await consumer.settled_position(T, 0) is None
+    assert not consumer.settled(T)
     app.channel.queue.get_nowait()
     app.producer.buffer.size = 101  # the conductor waits for the producer buffer
-    assert await consumer.settled_position(T, 0) is None
+    assert not consumer.settled(T)
     app.producer.buffer.size = 0
     app.producer.buffer.streamapp_flushing = 1  # ... and keeps waiting while it flushes
-    assert await consumer.settled_position(T, 0) is None
+    assert not consumer.settled(T)
     app.producer.buffer.streamapp_flushing = 0
     app.flow_control.active = False  # rebalance: flow suspended
-    assert await consumer.settled_position(T, 0) is None
+    assert not consumer.settled(T)
     app.flow_control.active = True
     app.in_recovery = True  # tables recovering: Faust seeks back to the committed offset
-    assert await consumer.settled_position(T, 0) is None
+    assert not consumer.settled(T)
 
 
 async def test_the_producer_buffer_limit_is_set_and_its_flushes_are_seen() -> None:
