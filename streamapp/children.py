@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -59,16 +60,18 @@ def popen_child(command: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
     """``subprocess.Popen`` in a new session (its own process group, so that
     :func:`terminate_group` reaches its children too) that is killed when this process dies.
 
-    Linux sends the parent-death signal when the *thread* that started the child exits: start
-    long-lived children from a thread that lives as long as they should.
+    Linux sends the parent-death signal when the *thread* that started the child exits, so it
+    is asked for only when the main thread starts the child; children started from other
+    threads are stopped by their owner (:func:`terminate_group`).
 
     Args:
         command: Program and arguments.
         **kwargs: Passed to ``Popen`` (``stdout``, ``env``, ``cwd`` ...).
     """
-    return subprocess.Popen(
-        command, start_new_session=True, preexec_fn=_die_with_parent(), **kwargs
-    )
+    # Only from the main thread: a child started from a short-lived thread (a benchmark's
+    # launcher pool) would otherwise be killed as soon as that thread ends.
+    preexec = _die_with_parent() if threading.current_thread() is threading.main_thread() else None
+    return subprocess.Popen(command, start_new_session=True, preexec_fn=preexec, **kwargs)
 
 
 def terminate_group(

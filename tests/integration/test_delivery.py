@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from streamapp.broker import EmbeddedBroker
 from streamapp.client import (
@@ -56,10 +57,31 @@ def _answered(outcomes: Outcomes) -> set[str | None]:
 
 
 async def _count_results(bootstrap: str, settings: Settings) -> int:
-    out = await collect_outcomes(
-        bootstrap, settings.result_topic, settings.dlq_topic, done=lambda o: False, timeout_s=0.5
-    )
-    return len(out.results)
+    """Records in the result topic (duplicates included), read to each partition's high
+    watermark as fetch responses report it (right on both brokers; Tansu's ListOffsets is not).
+    A fixed read timeout undercounts once the topic is large, and the test then waits forever
+    for a count the worker reached long ago."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False,
+                                auto_offset_reset="earliest")
+    await consumer.start()
+    try:
+        tps = [TopicPartition(settings.result_topic, p) for p in range(settings.topic_partitions)]
+        consumer.assign(tps)
+        count = 0
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            batches = await consumer.getmany(*tps, timeout_ms=200, max_records=10_000)
+            count += sum(len(records) for records in batches.values())
+            reached = [await _at(consumer, tp, consumer.highwater(tp)) for tp in tps]
+            if all(reached):
+                return count
+        return count
+    finally:
+        await consumer.stop()
+
+
+async def _at(consumer: AIOKafkaConsumer, tp: TopicPartition, mark: int | None) -> bool:
+    return mark is not None and await consumer.position(tp) >= mark
 
 
 def _first_delivery_order_violations(outcomes: Outcomes) -> int:
