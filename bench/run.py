@@ -120,6 +120,9 @@ PROFILES: dict[str, Profile] = {
              ol_s=3.5, seeds_warmup_s=4.0, seeds_s=3.5, profile_s=4.0, drain_s=10.0,
              worker_warmup_s=8.0),
         Plan("resnet50-image", **{**_RESNET_GPU, "profile_s": 4.0}),  # type: ignore[arg-type]
+        # camera JPEGs decoded on the GPU (nvJPEG) by the torch backend (issue 11)
+        Plan("resnet50-jpeg", **{**_RESNET_GPU, "loads": (0.7,),  # type: ignore[arg-type]
+                                 "profile_s": 4.0}),
     ), backlog_n=1_000_000, backlog_s=25.0),
 }
 

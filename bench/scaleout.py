@@ -156,6 +156,8 @@ SCALE_PROFILES: dict[str, ScaleProfile] = {
                   ceiling_backlog_per_client={"aiokafka": 20_000, "faust": 3_000}),
         ScalePlan("resnet50-tensor", ns=(1, 2, 4, 8, 12),  # type: ignore[arg-type]
                   mps_ns=(2, 4, 8, 12), **_RESNET_GPU),
+        # camera JPEGs decoded on the GPU (issue 11); run it with --only resnet50-jpeg
+        ScalePlan("resnet50-jpeg", ns=(1, 4, 8), **_RESNET_GPU),  # type: ignore[arg-type]
     ), start_s=15.0),
 }
 
