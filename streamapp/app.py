@@ -100,14 +100,8 @@ class TableRetryStore:
         self.table = table
 
     def record_attempt(self, record: RetryRecord, event: Any) -> None:
-        row = {
-            "attempts": record.attempt,
-            "last_error": record.errors[-1] if record.errors else None,
-            "errors": record.errors,
-            "device_id": record.device_id,
-        }
         with event_context(event):
-            self.table[record.request_id.encode()] = json.dumps(row).encode()
+            self.table[record.request_id.encode()] = json.dumps(record.row()).encode()
 
     def finish(self, request_id: str, event: Any) -> None:
         key = request_id.encode()

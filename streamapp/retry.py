@@ -86,6 +86,16 @@ class RetryRecord:
     value: bytes
     extra: dict[str, Any] = field(default_factory=dict)
 
+    def row(self) -> dict[str, Any]:
+        """The ``retry_counts`` table row of this request (attempts so far, last and all
+        errors, device): the one format every :class:`RetryStore` keeps."""
+        return {
+            "attempts": self.attempt,
+            "last_error": self.errors[-1] if self.errors else None,
+            "errors": self.errors,
+            "device_id": self.device_id,
+        }
+
     def encode(self) -> bytes:
         body = asdict(self)
         body["key"] = None if self.key is None else base64.b64encode(self.key).decode("ascii")
@@ -249,11 +259,7 @@ class MemoryRetryStore:
         self.rows: dict[str, dict[str, Any]] = {}
 
     def record_attempt(self, record: RetryRecord, event: Any) -> None:
-        self.rows[record.request_id] = {
-            "attempts": record.attempt,
-            "last_error": record.errors[-1] if record.errors else None,
-            "errors": record.errors,
-        }
+        self.rows[record.request_id] = record.row()
 
     def finish(self, request_id: str, event: Any) -> None:
         self.rows.pop(request_id, None)
