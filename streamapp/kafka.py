@@ -384,7 +384,8 @@ def resolve_broker_kind(settings: Settings) -> Settings:
         return settings
     try:
         kind = detect_broker_kind(settings)
-    except BrokerError as exc:
-        log.warning("%s; assuming Apache Kafka", exc)
+    except BrokerError:
+        log.warning("the broker at %s did not answer; assuming it is Apache Kafka (set "
+                    "STREAMAPP_BROKER_KIND to skip this check)", settings.bootstrap_servers)
         kind = "kafka"
     return settings.model_copy(update={"broker_kind": kind})

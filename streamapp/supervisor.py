@@ -203,9 +203,11 @@ def plan_children(
     gpus: Sequence[str] = (),
     host: str | None = None,
     free_port: Callable[[], int] | None = None,
+    static_ids: bool = True,
 ) -> list[ChildSpec]:
     """The N children: ``data_dir/worker-<i>``, port ``web_port + i`` (a free port each when
-    ``web_port`` is 0), instance id ``<group_instance_id or host>-<i>``, GPU round-robin.
+    ``web_port`` is 0), instance id ``<group_instance_id or host>-<i>`` (none when
+    ``static_ids`` is False: dynamic membership), GPU round-robin.
 
     Raises:
         ValueError: ``n`` < 1, or ``web_port + n - 1`` is beyond 65535.
@@ -225,7 +227,7 @@ def plan_children(
             index=i,
             data_dir=Path(data_dir) / f"worker-{i}",
             web_port=web_port + i if web_port else free_port(),  # type: ignore[misc]
-            instance_id=f"{prefix}-{i}",
+            instance_id=f"{prefix}-{i}" if static_ids else "",
             gpu=gpu_for(i, gpus),
             worker_name=f"{worker_name}-{i}" if worker_name else None,
         )
@@ -529,10 +531,16 @@ def run_supervisor(settings: Any, n: int, flags: Mapping[str, Any]) -> int:
         )
     gpus = visible_gpus()
     data_dir = Path(settings.data_dir).resolve()
+    # On the embedded broker static members that come back (a restarted supervisor, a child
+    # restarted before its old session expired) can loop on JoinGroup without partitions (the
+    # module docstring): children there use dynamic membership from the start.
+    static_ids = settings.broker_kind != "embedded"
+    if not static_ids:
+        log.info("supervisor: embedded broker: the workers join with dynamic membership")
     specs = plan_children(
         n, data_dir=data_dir, web_port=settings.web_port,
         group_instance_id=settings.group_instance_id, worker_name=settings.worker_name,
-        gpus=gpus,
+        gpus=gpus, static_ids=static_ids,
     )
     log.info("supervisor: %d workers of group %s, GPUs %s", n, settings.app_id,
              ",".join(gpus) if gpus else "none (CPU)")
