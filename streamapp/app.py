@@ -25,6 +25,7 @@ from streamapp.faust_compat import (
     set_fetch_max_wait,
     set_producer_buffer_max,
     set_read_committed,
+    tolerate_stale_member_url,
 )
 from streamapp.kafka import resolve_broker_kind, ssl_context
 from streamapp.retry import RetryRecord
@@ -162,6 +163,7 @@ def create_app(settings: Settings | None = None) -> faust.App:
     state = build_state(app, conf, runtime)  # device tables and metrics
     install_views(app, state)  # /health /ready /engines /metrics /devices ...
     observers = state.observers
+    tolerate_stale_member_url(app)
     app.streamapp_runtime = runtime  # type: ignore[attr-defined]
     app.streamapp_settings = conf  # type: ignore[attr-defined]
     app.streamapp_retry_counts = retry_counts  # type: ignore[attr-defined]

@@ -7,6 +7,7 @@ public API for it.
 from __future__ import annotations
 
 import contextlib
+import logging
 import weakref
 from collections.abc import Awaitable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -32,7 +33,10 @@ __all__ = [
     "set_fetch_max_wait",
     "set_producer_buffer_max",
     "set_read_committed",
+    "tolerate_stale_member_url",
 ]
+
+log = logging.getLogger(__name__)
 
 
 @contextmanager
@@ -179,6 +183,50 @@ def set_read_committed(app: Any) -> bool:
         return False
     fetcher._isolation_level = READ_COMMITTED
     return True
+
+
+def tolerate_stale_member_url(app: Any) -> None:
+    """Let a restarted static member whose web URL changed take its assignment, then rejoin.
+
+    Faust's assignor puts each member's web URL (``canonical_url``) into the group metadata and,
+    on every assignment, asserts that the URL the leader wrote for this member is its own. On
+    Apache Kafka a static member (``group_instance_id``) that restarts while its group is stable
+    rejoins *without* a rebalance (KIP-345): the coordinator hands back the assignment computed
+    for the member's previous incarnation, with its previous URL. When the URL changed (a new
+    web port or host), Faust's assertion failed inside aiokafka's coordinator task, which
+    then stopped for good: the worker never got partitions and never became ready (seen in
+    ``test_sigkill_at_random_moments_loses_nothing[kafka]``, a new free web port each
+    restart). Here the mismatch is logged and the member asks for a rejoin, so the leader
+    computes a fresh assignment with the new URL (which routes table queries to it); the
+    partitions themselves are taken at once.
+    """
+    assignor = app.assignor
+    on_assignment = assignor.on_assignment
+
+    def checked_on_assignment(assignment: Any) -> None:
+        from faust.assignor.client_assignment import ClientMetadata
+
+        written = ClientMetadata.loads(assignor._decompress(assignment.user_data)).url
+        own = str(assignor._url)
+        if written == own:
+            on_assignment(assignment)
+            return
+        try:
+            on_assignment(assignment)  # sets the whole assignment, then asserts the URL last
+        except AssertionError as exc:
+            if str(exc):  # Faust's other assertion (partitions), which carries a message
+                raise
+        log.warning(
+            "the group's assignment names this worker's previous URL %s (now %s): a static "
+            "member restarted without a rebalance; rejoining so the group learns the new URL",
+            written, own,
+        )
+        consumer = getattr(getattr(app.consumer, "_thread", None), "_consumer", None)
+        coordinator = getattr(consumer, "_coordinator", None)
+        if coordinator is not None:
+            coordinator.request_rejoin()
+
+    assignor.on_assignment = checked_on_assignment
 
 
 class _StandInMessage:

@@ -6,6 +6,8 @@ import asyncio
 from types import SimpleNamespace
 from typing import Any
 
+from faust.types import TP
+
 from streamapp.faust_compat import (
     FaustConsumer,
     producer_buffer_stalled,
@@ -74,3 +76,46 @@ async def test_the_producer_buffer_limit_is_set_and_its_flushes_are_seen() -> No
     await app.producer.buffer.flush_atmost(2048)  # as Faust's wait_until_ebb calls it
     assert seen == [(2048, True)] and not producer_buffer_stalled(app)
     assert not set_producer_buffer_max(SimpleNamespace(producer=None), 2048)
+
+
+class _Coordinator:
+    def __init__(self) -> None:
+        self.rejoins = 0
+
+    def request_rejoin(self) -> None:
+        self.rejoins += 1
+
+
+def _assignment_for(assignor: Any, url: str) -> Any:
+    """The assignment a leader wrote for this member, naming ``url`` as its web URL."""
+    from aiokafka.coordinator.protocol import ConsumerProtocolMemberAssignment
+    from faust.assignor.client_assignment import ClientAssignment, ClientMetadata
+
+    metadata = ClientMetadata(
+        assignment=ClientAssignment(actives={"requests": [0, 1]}, standbys={}), url=url,
+        changelog_distribution={}, external_topic_distribution={}, topic_groups={},
+    )
+    return ConsumerProtocolMemberAssignment(
+        0, [("requests", [0, 1])], assignor._compress(metadata.dumps()))
+
+
+def test_a_static_member_whose_url_changed_takes_its_partitions_and_rejoins() -> None:
+    import faust
+
+    from streamapp.faust_compat import tolerate_stale_member_url
+
+    faust_app = faust.App("compat-test", broker="kafka://127.0.0.1:1", web_port=6100,
+                          canonical_url="http://worker-a:6100")
+    coordinator = _Coordinator()
+    app = SimpleNamespace(assignor=faust_app.assignor, consumer=SimpleNamespace(
+        _thread=SimpleNamespace(_consumer=SimpleNamespace(_coordinator=coordinator))))
+    tolerate_stale_member_url(app)
+
+    # the assignment of this member's previous incarnation, on another port
+    app.assignor.on_assignment(_assignment_for(app.assignor, "http://worker-a:6099"))
+    assert app.assignor.assigned_actives() == {TP("requests", 0), TP("requests", 1)}
+    assert coordinator.rejoins == 1
+
+    # the fresh assignment after the rejoin names the member's own URL: no further rejoin
+    app.assignor.on_assignment(_assignment_for(app.assignor, "http://worker-a:6100"))
+    assert coordinator.rejoins == 1
