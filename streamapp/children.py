@@ -39,6 +39,19 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+def port_taken(host: str, port: int) -> bool:
+    """Whether a TCP server already listens on ``host:port`` (binding it fails with
+    EADDRINUSE). Binds with ``SO_REUSEADDR`` as servers do, so a port left in TIME_WAIT by a
+    stopped worker counts as free."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
 def _die_with_parent() -> Callable[[], None] | None:
     """A ``preexec_fn`` asking Linux to SIGKILL the child when its parent dies, so that a
     killed test run or benchmark leaves no broker or worker behind; None off Linux."""

@@ -67,6 +67,20 @@ def broker(
     raise typer.Exit(run_broker_forever(port))
 
 
+def _check_web_ports(settings: Any, workers: int) -> None:
+    """Fail with one line when a worker's web port is taken (before Faust would fail with a
+    traceback after loading the models). Worker i of ``--processes`` uses web_port + i."""
+    from streamapp.children import port_taken
+
+    for i in range(workers if settings.web_port else 0):  # 0: a free port each
+        port = settings.web_port + i
+        if port_taken(settings.web_bind, port):
+            raise StreamAppError(
+                f"web port {port} on {settings.web_bind} is already in use (another worker on "
+                f"this host?): give this worker its own --web-port (STREAMAPP_WEB_PORT)"
+            )
+
+
 @cli.command()
 def worker(
     broker: Broker = None,
@@ -109,6 +123,7 @@ def worker(
         settings = resolve_broker_kind(load_settings(**flags))
         # One process per data directory (RocksDB): fail here, before joining the group.
         lock_data_dir(settings.data_dir, holder="supervisor" if processes else "worker")
+        _check_web_ports(settings, processes or 1)
         app = None
         if processes is None:
             from streamapp.app import create_app

@@ -207,3 +207,27 @@ def test_the_state_file_is_json_with_every_child(tmp_path: Path) -> None:
     assert [c["data_dir"] for c in state["children"]] == [
         str(tmp_path / f"worker-{i}") for i in range(3)]
     assert read_state(tmp_path / "nowhere") is None
+
+
+@pytest.mark.parametrize("processes", [None, 2])
+def test_a_worker_whose_web_port_is_taken_stops_with_one_clear_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, processes: int | None
+) -> None:
+    import socket
+
+    from typer.testing import CliRunner
+
+    from streamapp.cli import cli
+
+    with socket.socket() as server:  # another worker's web server on the second port
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        taken = server.getsockname()[1]
+        first = taken - 1 if processes else taken
+        monkeypatch.setenv("STREAMAPP_BROKER_KIND", "kafka")  # no broker probe
+        args = ["worker", "--broker", "kafka://127.0.0.1:9", "--data-dir", str(tmp_path),
+                "--web-port", str(first)]
+        result = CliRunner().invoke(cli, args + (["--processes", "2"] if processes else []))
+    assert result.exit_code == 1, result.output
+    assert f"web port {taken} on 127.0.0.1 is already in use" in result.output
+    assert "Traceback" not in result.output
