@@ -10,7 +10,7 @@ help:
 	@echo "make demo   - broker + worker + 1,797 real digits from 16 devices, prints a summary"
 	@echo "make test   - the test suite: unit + integration on the embedded broker and Apache Kafka"
 	@echo "make test-embedded / test-kafka - integration tests on one broker only"
-	@echo "make test-kafka-slow - delivery under worker and broker failures on Apache Kafka (by hand)"
+	@echo "make test-kafka-slow - delivery under worker and broker failures on Apache Kafka (~9 min; CI runs it)"
 	@echo "make kafka-jars - fetch Apache Kafka's jars with Maven (done on first use anyway)"
 	@echo "make kafka  - run a local single-node Apache Kafka until Ctrl-C"
 	@echo "make lint   - ruff and mypy"
@@ -34,7 +34,7 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/streamapp demo
 
-# Everything except the heavy Apache Kafka delivery tests (test-kafka-slow, run by hand).
+# Everything except the heavy Apache Kafka delivery tests (test-kafka-slow; .ci/run runs both).
 test: $(STAMP)
 	$(BIN)/python -m pytest -m "not (slow and apache_kafka)"
 
