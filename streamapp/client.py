@@ -132,7 +132,7 @@ async def publish(
         requests: ``(image index, request)`` as from :func:`digits_requests`.
         codec: ``"json"`` (base64 tensors) or ``"msgpack"`` (raw bytes).
         rate_per_s: Open-loop send rate (requests/s); None sends as fast as possible.
-        progress: Show a progress bar on stderr.
+        progress: Show a progress bar on stderr (only when stderr is a terminal).
         security: aiokafka security options (:func:`kafka_security_options`); None: plaintext.
 
     Returns:
@@ -142,7 +142,9 @@ async def publish(
     await start_or_close(producer)
     sent: list[SentRequest] = []
     futures = []
-    bar = tqdm(total=len(requests), unit="frame", disable=not progress, desc="publish")
+    # disable=None: no bar when stderr is not a terminal (a log file would get every redraw)
+    bar = tqdm(total=len(requests), unit="frame", disable=None if progress else True,
+               desc="publish")
     try:
         start = time.monotonic()
         for n, (index, request) in enumerate(requests):
@@ -242,7 +244,8 @@ async def collect_outcomes(
     )
     await start_or_close(consumer)
     outcomes = Outcomes()
-    bar = tqdm(total=progress_total, unit="result", disable=progress_total is None, desc="results")
+    bar = tqdm(total=progress_total, unit="result",
+               disable=True if progress_total is None else None, desc="results")
     try:
         partitions = []
         for topic in (result_topic, dlq_topic):
