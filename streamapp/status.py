@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -96,6 +97,14 @@ def histogram_quantile(q: float, buckets: Mapping[float, float]) -> float | None
     return lower
 
 
+def _in_overflow_bucket(q: float, buckets: Mapping[float, float]) -> bool:
+    """Whether the ``q`` quantile lies beyond the largest finite bucket bound (in ``+Inf``):
+    :func:`histogram_quantile` then reports that bound, a lower limit rather than a value."""
+    finite = [le for le in buckets if not math.isinf(le)]
+    total = max(buckets.values(), default=0.0)
+    return bool(finite) and total > 0 and buckets[max(finite)] < q * total
+
+
 def _delta(after: Mapping[float, float], before: Mapping[float, float]) -> dict[float, float]:
     return {le: after[le] - before.get(le, 0.0) for le in after}
 
@@ -116,6 +125,8 @@ class WorkerStatus:
     retries_per_s: float = 0.0
     p50_ms: float | None = None
     p99_ms: float | None = None
+    #: The p99 lies beyond the histogram's largest finite bucket: ``p99_ms`` is that bound.
+    p99_beyond_buckets: bool = False
     mean_batch: float | None = None
     inflight: int = 0
     lag: int = 0
@@ -150,6 +161,7 @@ def summarize(url: str, before: Snapshot, after: Snapshot) -> WorkerStatus:
     for q, name in ((0.5, "p50_ms"), (0.99, "p99_ms")):
         value = histogram_quantile(q, e2e)
         setattr(status, name, None if value is None else value * 1000.0)
+    status.p99_beyond_buckets = _in_overflow_bucket(0.99, e2e)
     batches = after.total("streamapp_batch_size_count") - before.total("streamapp_batch_size_count")
     items = after.total("streamapp_batch_size_sum") - before.total("streamapp_batch_size_sum")
     if batches <= 0:
@@ -242,32 +254,56 @@ def _safe_json(url: str) -> Any:
         return None
 
 
-def _ms(value: float | None) -> str:
-    return "—" if value is None else f"{value:,.1f}"
+def _ms(value: float | None, beyond: bool = False) -> str:
+    if value is None:
+        return "—"
+    return f"> {value:,.0f}" if beyond else f"{value:,.1f}"
 
 
-def render(statuses: Iterable[WorkerStatus], *, top: int = 5, now: float | None = None) -> Group:
-    """The status screen: one row per worker plus a total, and the busiest devices."""
+#: Below this console width (characters) the workers table keeps its essential columns only.
+_WIDE_COLUMNS = 120
+
+#: The workers table's columns, and which of them an 80-column terminal shows.
+_COLUMNS = (
+    ("worker", "left", True), ("ready", "center", True), ("parts", "right", True),
+    ("req/s", "right", True), ("DLQ/s", "right", False), ("DLQ %", "right", True),
+    ("retry/s", "right", False), ("p50 ms", "right", False), ("p99 ms", "right", True),
+    ("batch", "right", False), ("in-flight", "right", False), ("lag", "right", True),
+    ("finished", "right", False),
+)
+
+
+def render(statuses: Iterable[WorkerStatus], *, top: int = 5, now: float | None = None,
+           width: int = 200) -> Group:
+    """The status screen: one row per worker plus a total, the busiest devices, and the
+    workers that did not answer with their errors in full. ``width``: the console's width in
+    characters; below 120 the workers table shows its essential columns only (an 80-column
+    terminal cut every header of the full table to two letters)."""
     statuses = list(statuses)
     now = time.time() if now is None else now
+    wide = width >= _WIDE_COLUMNS
+    keep = [wide or essential for _, _, essential in _COLUMNS]
+    sep = " " if wide else "\n"  # narrow: the worker's address under its name
     table = Table(title="streamapp workers", title_justify="left", expand=False)
-    for name, justify in (
-        ("worker", "left"), ("ready", "center"), ("parts", "right"), ("req/s", "right"),
-        ("DLQ/s", "right"), ("DLQ %", "right"), ("retry/s", "right"), ("p50 ms", "right"),
-        ("p99 ms", "right"), ("batch", "right"), ("in-flight", "right"), ("lag", "right"),
-        ("finished", "right"),
-    ):
-        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    for (name, justify, _), kept in zip(_COLUMNS, keep, strict=True):
+        if kept:
+            table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+
+    def row(*cells: Any) -> None:
+        table.add_row(*(c for c, kept in zip(cells, keep, strict=True) if kept))
+
     for s in statuses:
         if s.error:
-            table.add_row(s.url, Text("✗", style="red"), *["—"] * 10, Text(s.error, style="red"))
+            row(s.url, Text("✗", style="red"), *["—"] * 10, Text("unreachable", style="red"))
             continue
         ready = Text("✓", style="green") if s.ready else Text("✗", style="red")
         restarts = f" [yellow]↻{s.restarts}[/yellow]" if s.restarts else ""
-        table.add_row(
-            f"{s.worker}{restarts} [dim]{s.url.split('://')[-1]}[/dim]", ready, str(s.partitions),
+        row(
+            f"{s.worker}{restarts}{sep}[dim]{s.url.split('://')[-1]}[/dim]", ready,
+            str(s.partitions),
             f"{s.throughput_per_s:,.1f}", f"{s.dead_letters_per_s:,.1f}",
-            f"{100 * s.dlq_ratio:.1f}", f"{s.retries_per_s:,.1f}", _ms(s.p50_ms), _ms(s.p99_ms),
+            f"{100 * s.dlq_ratio:.1f}", f"{s.retries_per_s:,.1f}", _ms(s.p50_ms),
+            _ms(s.p99_ms, s.p99_beyond_buckets),
             "—" if s.mean_batch is None else f"{s.mean_batch:.1f}", str(s.inflight), str(s.lag),
             f"{s.finished_total:,}",
         )
@@ -275,32 +311,40 @@ def render(statuses: Iterable[WorkerStatus], *, top: int = 5, now: float | None 
     if len(ok) > 1:
         total = sum(s.throughput_per_s for s in ok)
         dlq = sum(s.dead_letters_per_s for s in ok)
+        worst = max((s for s in ok if s.p99_ms is not None), key=lambda s: s.p99_ms or 0.0,
+                    default=None)
         table.add_section()
-        table.add_row(
+        row(
             "[b]all[/b]", "", str(sum(s.partitions for s in ok)), f"{total:,.1f}", f"{dlq:,.1f}",
             f"{100 * dlq / total:.1f}" if total else "0.0",
-            f"{sum(s.retries_per_s for s in ok):,.1f}", "", _ms(max(
-                (s.p99_ms for s in ok if s.p99_ms is not None), default=None)), "",
+            f"{sum(s.retries_per_s for s in ok):,.1f}", "",
+            _ms(None) if worst is None else _ms(worst.p99_ms, worst.p99_beyond_buckets), "",
             str(sum(s.inflight for s in ok)), str(sum(s.lag for s in ok)),
             f"{sum(s.finished_total for s in ok):,}",
         )
     devices = sorted((d for s in ok for d in s.top_devices),
                      key=lambda d: (-(d.get("total") or 0), d.get("device_id", "")))[:top]
     dev_table = Table(title=f"top {top} devices", title_justify="left")
-    for name, justify in (("device", "left"), ("worker", "left"), ("finished", "right"),
-                          ("results", "right"), ("dead letters", "right"), ("last seq", "right"),
-                          ("e2e EWMA ms", "right"), ("last seen", "right")):
-        dev_table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    dev_columns = (("device", "left", True), ("worker", "left", False),
+                   ("finished", "right", True), ("results", "right", False),
+                   ("dead letters", "right", True), ("last seq", "right", False),
+                   ("e2e EWMA ms", "right", True), ("last seen", "right", True))
+    dev_keep = [wide or essential for _, _, essential in dev_columns]
+    for (name, justify, _), kept in zip(dev_columns, dev_keep, strict=True):
+        if kept:
+            dev_table.add_column(name, justify=justify)  # type: ignore[arg-type]
     for d in devices:
         counts = d.get("counts") or {}
         seen = d.get("last_seen")
-        dev_table.add_row(
+        cells = (
             str(d.get("device_id")), str(d.get("worker")), f"{d.get('total', 0):,}",
             f"{counts.get('result', 0):,}", f"{counts.get('dead_letter', 0):,}",
             str(d.get("last_seq")), _ms(d.get("e2e_ewma_ms")),
             "—" if seen is None else f"{max(0.0, now - seen):.0f} s ago",
         )
-    return Group(table, dev_table)
+        dev_table.add_row(*(c for c, kept in zip(cells, dev_keep, strict=True) if kept))
+    errors = [Text(f"✗ {s.url}: {s.error}", style="red") for s in statuses if s.error]
+    return Group(table, dev_table, *errors)
 
 
 def run_status(
@@ -316,7 +360,8 @@ def run_status(
     Returns:
         0 when every worker answered and is ready, 1 otherwise.
     """
-    console = console or Console()
+    # Output to a file or pipe: wide (rich would assume 80 columns and cut the tables)
+    console = console or Console(width=None if sys.stdout.isatty() else 200)
     targets = discover(urls) if discover_peers else [u.rstrip("/") for u in urls]
 
     def gather() -> list[WorkerStatus]:
@@ -327,15 +372,16 @@ def run_status(
 
     statuses = gather()
     if not watch:
-        console.print(render(statuses, top=top))
+        console.print(render(statuses, top=top, width=console.width))
         return 0 if all(s.ready and not s.error for s in statuses) else 1
     from rich.live import Live
 
-    with Live(render(statuses, top=top), console=console, refresh_per_second=4) as live:
+    with Live(render(statuses, top=top, width=console.width), console=console,
+              refresh_per_second=4) as live:
         try:
             while True:
                 statuses = gather()
-                live.update(render(statuses, top=top))
+                live.update(render(statuses, top=top, width=console.width))
         except KeyboardInterrupt:
             pass
     return 0

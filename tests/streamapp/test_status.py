@@ -151,3 +151,37 @@ def test_without_urls_status_shows_the_children_a_supervisor_lists(
     assert "w1 ↻2" in result.output  # child 0, restarted twice
     assert "127.0.0.1:9" in result.output and "unreachable" in result.output  # child 1 is down
     assert result.exit_code == 1
+
+
+def test_a_p99_beyond_the_last_bucket_is_shown_as_a_lower_limit() -> None:
+    from streamapp.status import render
+
+    before = Snapshot.parse(metrics_text(100, 0, 100, 100, 10), at=10.0)
+    # 200 new results, 100 of them slower than the largest finite bucket (1 s)
+    after = Snapshot.parse(metrics_text(300, 0, 100, 200, 20).replace(
+        'streamapp_e2e_duration_seconds_bucket{le="+Inf",model="digits"} 200',
+        'streamapp_e2e_duration_seconds_bucket{le="+Inf",model="digits"} 300'), at=12.0)
+    s = summarize("http://w1", before, after)
+    assert s.p99_beyond_buckets and s.p99_ms == pytest.approx(1000.0)
+    console = Console(record=True, width=160)
+    console.print(render([s], width=160))
+    assert "> 1,000" in console.export_text()
+
+
+def test_an_80_column_terminal_gets_whole_headers_and_whole_errors() -> None:
+    from streamapp.status import WorkerStatus, render
+
+    statuses = [
+        WorkerStatus("http://127.0.0.1:6066", worker="worker-host-0", ready=True, partitions=16,
+                     throughput_per_s=456.3, p99_ms=35.0, lag=123456),
+        WorkerStatus("http://127.0.0.1:6068",
+                     error="<urlopen error [Errno 111] Connection refused>"),
+    ]
+    console = Console(record=True, width=80)
+    console.print(render(statuses, width=80))
+    screen = console.export_text()
+    assert max(len(line) for line in screen.splitlines()) <= 80
+    for header in ("worker", "ready", "parts", "req/s", "DLQ %", "p99 ms", "lag"):
+        assert header in screen
+    assert "123456" in screen and "…" not in screen
+    assert "http://127.0.0.1:6068: <urlopen error [Errno 111] Connection refused>" in screen
