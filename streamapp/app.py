@@ -154,6 +154,7 @@ def create_app(settings: Settings | None = None) -> faust.App:
         # Schema argument does not reach the changelog topic's key decoding in Faust 0.15.3)
         key_type=bytes, value_type=bytes,
         partitions=partitions, store="memory://",
+        extra_topic_configs=conf.changelog_topic_configs,
     )
     retry_store = TableRetryStore(retry_counts)
     faust_side = FaustConsumer(app, conf)

@@ -81,6 +81,13 @@ class Settings(BaseSettings):
         description="Replicas of the topics and changelogs the worker creates; use 3 on a "
         "production Kafka cluster (the embedded broker has one node).",
     )
+    changelog_segment_ms: int = Field(
+        600_000, ge=1000,
+        description="segment.ms (milliseconds) of the tables' changelog topics when the worker "
+        "creates them. Kafka compacts only closed segments, so a changelog keeps every update "
+        "until its segment rolls (Kafka's default: 7 days), and a worker that restores a table "
+        "reads all of them; a short segment bounds that history. Existing topics keep theirs.",
+    )
     result_codec: Codec = Field("json", description="Encoding of result records.")
     session_timeout_s: float = Field(
         _FAST_GROUP["session_timeout_s"], gt=0,
@@ -381,6 +388,11 @@ class Settings(BaseSettings):
     def topics(self) -> tuple[str, ...]:
         """Every topic the worker reads or writes (create them with ``topic_partitions``)."""
         return (self.request_topic, self.result_topic, self.dlq_topic, self.retry_topic)
+
+    @property
+    def changelog_topic_configs(self) -> dict[str, str]:
+        """Topic configs of the tables' changelogs (Faust adds ``cleanup.policy=compact``)."""
+        return {"segment.ms": str(self.changelog_segment_ms)}
 
     @property
     def bootstrap_servers(self) -> str:

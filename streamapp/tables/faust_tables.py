@@ -252,6 +252,7 @@ def define_tables(app: faust.App, settings: Settings) -> FaustDeviceTables:
         "key_type": bytes,  # → Faust's "raw" key serializer: the record key's exact bytes
         "value_type": None,  # → JSON values
         "partitions": settings.topic_partitions,
+        "extra_topic_configs": settings.changelog_topic_configs,
     }
     # store: a table's own ``store="rocksdb://"`` is an empty, falsy yarl URL that Faust 0.15.3
     # replaces by the app's default (memory); ``rocksdb:<table name>`` is what the app-level

@@ -146,3 +146,36 @@ async def test_each_bad_input_gets_one_dead_letter_and_good_frames_around_it_are
     # the worker kept serving: still ready, and nothing restarted it
     status, body = worker.get("/ready")
     assert status == 200 and body["ready"] is True
+
+
+async def test_the_tables_changelogs_are_compacted_with_short_segments(
+    kafka_broker: EmbeddedBroker, broker_kind: str, worker_settings: Settings,
+    request: pytest.FixtureRequest,
+) -> None:
+    """Kafka compacts only closed segments: the worker creates its changelogs with
+    ``segment.ms`` = ``changelog_segment_ms`` so that a restoring worker does not read every
+    update ever made (Kafka's default segment lives 7 days)."""
+    if broker_kind != "kafka":
+        pytest.skip("the embedded broker keeps everything in memory and reports no topic configs")
+    from aiokafka.admin import AIOKafkaAdminClient
+    from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+
+    request.getfixturevalue("worker")  # a ready worker: it created its changelogs
+
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka_broker.bootstrap_servers)
+    await admin.start()
+    try:
+        names = [f"{worker_settings.app_id}-{table}-changelog"
+                 for table in ("device_stats", "device_windows", "retry_counts")]
+        responses = await admin.describe_configs(
+            [ConfigResource(ConfigResourceType.TOPIC, name) for name in names])
+    finally:
+        await admin.close()
+    configs = {
+        resource[3]: {entry[0]: entry[1] for entry in resource[4]}
+        for response in responses for resource in response.resources
+    }
+    assert set(configs) == set(names)
+    for name in names:
+        assert configs[name]["segment.ms"] == str(worker_settings.changelog_segment_ms), name
+        assert configs[name]["cleanup.policy"] == "compact", name
