@@ -22,13 +22,13 @@ from streamapp.faust_compat import (
     FaustConsumer,
     FaustSink,
     event_context,
+    guard_undecodable_batches,
     set_fetch_max_wait,
     set_producer_buffer_max,
     set_read_committed,
     tolerate_stale_member_url,
 )
 from streamapp.kafka import resolve_broker_kind, ssl_context
-from streamapp.record_batches import guard_record_batches
 from streamapp.retry import RetryRecord
 from streamapp.runtime import WorkerRuntime
 from streamapp.settings import Settings, load_settings
@@ -132,7 +132,7 @@ def create_app(settings: Settings | None = None) -> faust.App:
     conf = settings
     app = faust.App(conf.app_id, **faust_options(conf))
     # A batch the consumer cannot decode becomes dead letters there, never a stopped partition.
-    guard_record_batches((conf.request_topic, conf.retry_topic))
+    guard_undecodable_batches((conf.request_topic, conf.retry_topic))
     raw = {"key_type": bytes, "value_type": bytes, "key_serializer": "raw",
            "value_serializer": "raw"}
     partitions = conf.topic_partitions

@@ -19,11 +19,15 @@ covers are known:
   :func:`take_undecodable` finds it by offset, and the pipeline turns each stand-in into an
   ``undecodable_record_batch`` dead letter. The stand-ins are ordinary offsets to delivery, so
   their acknowledged dead letters move the committed offset past the batch.
-* **Any other topic** (table changelogs, read by Faust's table recovery): no stand-ins (a None
-  value would delete a table row); one ERROR naming ``topic[partition]@first..last`` and the
-  error, and the batch is skipped. A worker that stopped instead would stop again on every
-  restart, and so would every worker the changelog partition moved to; the rows of a changelog
-  are derived state (statistics, windows, attempt counters) that later updates rewrite.
+* **Any other topic** (table changelogs, read by Faust's table recovery): one ERROR naming
+  ``topic[partition]@first..last`` and the error, and the batch is skipped. One stand-in, for
+  the batch's last offset, still comes out: Faust's recovery waits until it was handed the
+  offset before a changelog partition's end, so a skipped batch at the end would keep a worker
+  from ever becoming ready. :func:`is_skipped_stand_in` tells it apart, and
+  :func:`streamapp.faust_compat.guard_undecodable_batches` keeps it out of the tables (a None
+  value would delete a row). A worker that stopped instead would stop again on every restart,
+  and so would every worker the changelog partition moved to; the rows of a changelog are
+  derived state (statistics, windows, attempt counters) that later updates rewrite.
 
 Both are counted (:func:`undecodable_counts`, exported in ``/metrics``). Not handled (aiokafka
 raises as before): control batches (written by the broker, no data records) and legacy v0/v1
@@ -50,6 +54,7 @@ __all__ = [
     "UndecodableBatchError",
     "guard_record_batches",
     "guarded_topics",
+    "is_skipped_stand_in",
     "take_undecodable",
     "undecodable_counts",
 ]
@@ -179,6 +184,8 @@ class _Registry:
         self.pending: OrderedDict[tuple[str, int, int], UndecodableBatch] = OrderedDict()
         self.kept_bytes = 0
         self.seen: OrderedDict[tuple[str, int, int], None] = OrderedDict()
+        #: ``(topic, partition, offset)`` of the stand-ins of skipped batches.
+        self.skipped: OrderedDict[tuple[str, int, int], None] = OrderedDict()
         #: ``(topic, handling) -> [batches, offsets]``; handling ``dead_lettered`` / ``skipped``.
         self.counts: dict[tuple[str, str], list[int]] = {}
 
@@ -194,6 +201,9 @@ class _Registry:
                 counts[0] += 1
                 counts[1] += batch.last_offset - batch.first_offset + 1
             if handling != "dead_lettered":
+                self.skipped[(batch.topic, batch.partition, batch.last_offset)] = None
+                if len(self.skipped) > _MAX_SEEN:
+                    self.skipped.popitem(last=False)
                 return batch
             self._drop(key)
             if batch.data is not None and self.kept_bytes + len(batch.data) > MAX_KEPT_BATCH_BYTES:
@@ -236,6 +246,13 @@ def take_undecodable(topic: str, partition: int, offset: int) -> UndecodableBatc
     taken (a batch fetched again is registered again).
     """
     return _REGISTRY.take(topic, partition, offset)
+
+
+def is_skipped_stand_in(topic: str, partition: int, offset: int) -> bool:
+    """Whether the record at ``offset`` (key and value None) is the stand-in of a skipped batch
+    of a topic that is not guarded (see the module docstring)."""
+    with _REGISTRY.lock:
+        return (topic, partition, offset) in _REGISTRY.skipped
 
 
 def undecodable_counts(
@@ -334,7 +351,7 @@ def _undecodable(
     guarded: _GuardedBatch, error: BaseException, undecoded_from: int
 ) -> Iterator[_StandIn]:
     """Stand-ins for the offsets of a batch from ``undecoded_from`` (guarded topic), or a
-    logged skip (any other topic)."""
+    logged skip with one stand-in for the last offset (any other topic)."""
     batch = guarded._batch
     tp = guarded._tp
     base = int(batch.base_offset)
@@ -351,6 +368,8 @@ def _undecodable(
         size_bytes=None if raw is None else len(raw),
         sha256=None if raw is None else hashlib.sha256(raw).hexdigest(), data=raw,
     )
+    timestamp = int(getattr(batch, "first_timestamp", -1) or -1)
+    timestamp_type = int(getattr(batch, "timestamp_type", 0) or 0)
     if tp.topic not in _REGISTRY.guarded:
         _REGISTRY.register(info, "skipped")
         log.error(
@@ -360,6 +379,7 @@ def _undecodable(
             "library if it is missing.", tp.topic, tp.partition, undecoded_from, last,
             info.error_type, info.error_message, info.codec, info.size_bytes,
         )
+        yield _StandIn(last, timestamp, timestamp_type)  # recovery must reach the end
         return
     _REGISTRY.register(info, "dead_lettered")
     log.warning(
@@ -367,8 +387,6 @@ def _undecodable(
         "go to the DLQ as undecodable_record_batch", tp.topic, tp.partition, undecoded_from,
         last, info.error_type, info.error_message, info.codec, info.size_bytes,
     )
-    timestamp = int(getattr(batch, "first_timestamp", -1) or -1)
-    timestamp_type = int(getattr(batch, "timestamp_type", 0) or 0)
     for offset in range(undecoded_from, last + 1):
         yield _StandIn(offset, timestamp, timestamp_type)
 
