@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import os
 import time
 import urllib.request
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 from uuid import uuid4
 
 import pytest
@@ -39,6 +42,7 @@ from streamapp.process import WorkerProcess
 from streamapp.record_batches import guard_record_batches
 from streamapp.records import DeadLetter, InferenceRequest
 from streamapp.settings import Settings
+from streamapp.tables.faust_tables import SEAL_KEY
 from tests.conftest import Broker
 from tests.record_batch_bytes import batch_bytes, with_bad_crc
 
@@ -238,3 +242,108 @@ async def test_the_gap_reader_hands_out_stand_ins_for_a_corrupt_batch(
 
     assert list(read) == [(0, b"k", b"a"), (1, b"k", b"b"), (2, None, None), (3, None, None),
                           (4, None, None), (5, b"k", b"f")]
+
+
+def _device_row(proc: WorkerProcess, device: str) -> dict[str, Any] | None:
+    status, body = proc.get(f"/devices/{device}")
+    return body if status == 200 else None
+
+
+async def _wait_for(check: Callable[[], bool], what: str, proc: WorkerProcess,
+                    timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"not {what} after {timeout_s} s:\n{proc.log_tail()}"
+        await asyncio.sleep(0.2)
+
+
+async def _last_record(bootstrap: str, topic: str, partitions: int) -> tuple[int, int, bytes]:
+    """``(partition, end offset, value)`` of the last record of the one partition of ``topic``
+    that holds records (read from the beginning: no ListOffsets, wrong on Tansu)."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    await consumer.start()
+    try:
+        tps = [TopicPartition(topic, p) for p in range(partitions)]
+        consumer.assign(tps)
+        await consumer.seek_to_beginning(*tps)
+        last: dict[int, tuple[int, bytes]] = {}
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            for tp, records in (await consumer.getmany(timeout_ms=300)).items():
+                for r in records:
+                    if r.value is not None and r.key != SEAL_KEY:
+                        last[tp.partition] = (r.offset, r.value)
+            ends = [consumer.highwater(tp) for tp in tps]
+            positions = [await consumer.position(tp) for tp in tps]
+            if all(end is not None and at >= end for at, end in zip(positions, ends, strict=True)):
+                break
+        (partition,) = last  # one device: one partition
+        return partition, last[partition][0], last[partition][1]
+    finally:
+        await consumer.stop()
+
+
+async def test_an_undecodable_changelog_batch_is_skipped_and_the_tables_recover(
+    kafka_broker: Broker, worker_settings: Settings, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A device's stats row, then an lz4 batch (the worker has no lz4) at the end of its
+    changelog partition: a worker restarted with an empty data dir skips the batch with one
+    ERROR, recovers the row before it, becomes ready and goes on counting."""
+    s = worker_settings
+    bootstrap = kafka_broker.bootstrap_servers
+    monkeypatch.setenv("PYTHONPATH", _without_lz4(tmp_path / "no-lz4"))
+
+    def worker(name: str) -> WorkerProcess:
+        return WorkerProcess(
+            {
+                "broker": s.broker, "app_id": s.app_id, "topic_prefix": s.topic_prefix,
+                "topic_partitions": s.topic_partitions, "backend": s.backend,
+                "data_dir": tmp_path / f"data-{name}", "max_batch_size": 16,
+                "max_batch_delay_ms": 5,
+            },
+            log_path=tmp_path / f"{name}.log",
+        )
+
+    device = "device-00"
+    first = [(key, value) for key, value, _ in _requests(6, run_id=f"one-{s.app_id}")
+             if key == device.encode()]
+    with worker("first") as proc:
+        proc.wait_ready()
+        for key, value in first:
+            assert (await _produce_raw(bootstrap, s.request_topic, 0,
+                                       batch_bytes([(key, value)])))[0] == 0
+        await _wait_for(lambda: (_device_row(proc, device) or {}).get("counts", {}).get(
+            "result") == len(first), "the device's row", proc)
+    changelog = f"{s.app_id}-device_stats-changelog"
+    partition, _, row = await _last_record(bootstrap, changelog, s.topic_partitions)
+    counted = json.loads(row)
+    assert counted["counts"]["result"] == len(first)
+    # a later row for the device, in a batch the worker cannot decode
+    later = json.dumps({**counted, "counts": {**counted["counts"], "result": 999}}).encode()
+    error, bad_offset = await _produce_raw(bootstrap, changelog, partition,
+                                           batch_bytes([(device.encode(), later)], codec="lz4"))
+    assert error == 0
+
+    with worker("second") as proc:  # empty data dir: the tables come from the changelogs
+        proc.wait_ready()
+        restored = _device_row(proc, device)
+        metrics = _metrics(proc)
+        second = [(k, v) for k, v, _ in _requests(6, run_id=f"two-{s.app_id}")
+                  if k == device.encode()]
+        for key, value in second:
+            assert (await _produce_raw(bootstrap, s.request_topic, 0,
+                                       batch_bytes([(key, value)])))[0] == 0
+        await _wait_for(lambda: (_device_row(proc, device) or {}).get("counts", {}).get(
+            "result") == len(first) + len(second), "counting to go on", proc)
+        log = (tmp_path / "second.log").read_text(errors="replace")
+
+    assert restored is not None and restored["counts"]["result"] == len(first)  # not 999
+    errors = [line for line in log.splitlines()
+              if "[ERROR]" in line and "record batch cannot be decoded" in line]
+    assert len(errors) == 1, errors
+    assert f"{changelog}[{partition}]@{bad_offset}..{bad_offset}" in errors[0]
+    assert "UnsupportedCodecError" in errors[0]
+    where = {"topic": changelog, "handling": "skipped"}
+    assert metrics[("streamapp_undecodable_batches_total", where)] == 1
+    assert metrics[("streamapp_undecodable_records_total", where)] == 1
