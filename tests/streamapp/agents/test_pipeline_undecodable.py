@@ -7,7 +7,6 @@ its neighbours, and every offset is acknowledged (so the committed offset passes
 from __future__ import annotations
 
 import hashlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 from uuid import uuid4
 
@@ -16,58 +15,30 @@ import pytest
 from aiokafka.consumer import fetcher
 from aiokafka.consumer.fetcher import READ_UNCOMMITTED
 from aiokafka.structs import TopicPartition
-from sklearn.datasets import load_digits
 
 from engines.executor import ThreadExecutor
 from engines.testing import FakeEngine
-from streamapp.agents.pipeline import InferencePipeline, LoadedModel, SourceMessage
+from streamapp.agents.pipeline import SourceMessage
 from streamapp.dlq import replayable
 from streamapp.exceptions import InvalidRequestError
 from streamapp.metrics import Metrics
-from streamapp.models import ModelRepository
 from streamapp.record_batches import guard_record_batches
-from streamapp.settings import Settings
 from tests.record_batch_bytes import batch_bytes, with_bad_crc
+from tests.streamapp.agents import test_pipeline as base
 from tests.streamapp.agents.test_pipeline import (
     FakeSink,
+    StartPipeline,
     dead_letters_of,
     request_value,
     results_of,
     wait_for,
 )
 
-StartPipeline = Callable[..., Awaitable[InferencePipeline]]
-
-
-@pytest.fixture(scope="module")
-def images() -> np.ndarray:
-    """scikit-learn's digit images as ``uint8[1797, 8, 8]``, pixel values 0..16."""
-    return load_digits().images.astype(np.uint8)
-
-
-@pytest.fixture
-async def start_pipeline() -> AsyncIterator[StartPipeline]:
-    """``await start_pipeline(sink, observers=..., **settings)``: a started pipeline serving
-    the digits contract on :class:`FakeEngine`; stopped after the test."""
-    started: list[tuple[InferencePipeline, ThreadExecutor]] = []
-
-    async def start(
-        sink: FakeSink, *, observers: Sequence[Any] = (), **settings: Any
-    ) -> InferencePipeline:
-        executor = ThreadExecutor(FakeEngine())
-        pipeline = InferencePipeline(
-            Settings(max_batch_size=4, max_batch_delay_ms=5.0, topic_prefix="", **settings),
-            {"digits": LoadedModel(ModelRepository().get("digits"), executor)},
-            sink, worker="test-worker", observers=observers,
-        )
-        await pipeline.start()
-        started.append((pipeline, executor))
-        return pipeline
-
-    yield start
-    for pipeline, executor in started:
-        await pipeline.stop(drain=False)
-        await executor.close()
+# The fixtures of the pipeline's own tests: a started pipeline serving the digits contract,
+# and the digit images.
+start_pipeline = base.start_pipeline
+digits_config = base.digits_config
+images = base.images
 
 
 class Feed:
@@ -103,7 +74,7 @@ async def test_each_offset_of_a_corrupt_batch_becomes_a_dead_letter_between_the_
 ) -> None:
     feed, sink = Feed(), FakeSink()
     metrics = Metrics(["digits"], max_batch_size=4, process_metrics=False)
-    pipeline = await start_pipeline(sink, observers=[metrics])
+    pipeline = await start_pipeline(ThreadExecutor(FakeEngine()), sink, observers=[metrics])
     bad = with_bad_crc(batch_bytes(requests(images, 2, 3), base_offset=2))
     data = (batch_bytes(requests(images, 0, 2)) + bad
             + batch_bytes(requests(images, 5, 1), base_offset=5))
@@ -150,7 +121,7 @@ async def test_a_batch_too_large_to_keep_leaves_its_size_and_digest_in_the_first
 ) -> None:
     feed, sink = Feed(), FakeSink()
     pipeline = await start_pipeline(
-        sink, max_dead_letter_value_bytes=100
+        ThreadExecutor(FakeEngine()), sink, max_dead_letter_value_bytes=100
     )
     bad = with_bad_crc(batch_bytes(requests(images, 0, 2)))
     assert len(bad) > 100
@@ -174,7 +145,7 @@ async def test_a_stand_in_read_from_the_retry_topic_is_dead_lettered_as_undecoda
     """The retry agent hands a record it cannot parse as a retry record to ``reject``
     (``invalid_retry_record``); a stand-in gets the batch's reason there too."""
     feed, sink = Feed(), FakeSink()
-    pipeline = await start_pipeline(sink)
+    pipeline = await start_pipeline(ThreadExecutor(FakeEngine()), sink)
     (stand_in,) = feed.messages(with_bad_crc(batch_bytes(requests(images, 0, 1))))
     await pipeline.reject(
         stand_in, InvalidRequestError("invalid_retry_record", "not a retry record")
@@ -192,7 +163,7 @@ async def test_a_real_record_without_a_value_is_not_taken_for_a_stand_in(
     start_pipeline: StartPipeline, value: Any
 ) -> None:
     feed, sink = Feed(), FakeSink()
-    pipeline = await start_pipeline(sink)
+    pipeline = await start_pipeline(ThreadExecutor(FakeEngine()), sink)
     (record,) = feed.messages(batch_bytes([(b"dev-a", value)]))
     assert record.value == value
     await pipeline.handle(record)
