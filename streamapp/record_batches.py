@@ -53,7 +53,6 @@ __all__ = [
     "UndecodableBatch",
     "UndecodableBatchError",
     "guard_record_batches",
-    "guarded_topics",
     "is_skipped_stand_in",
     "take_undecodable",
     "undecodable_counts",
@@ -112,11 +111,6 @@ class UndecodableBatch:
     size_bytes: int | None = None
     sha256: str | None = None
     data: bytes | None = field(default=None, repr=False)
-
-    @property
-    def offsets(self) -> int:
-        """Offsets without a decoded record (``undecoded_from .. last_offset``)."""
-        return self.last_offset - self.undecoded_from + 1
 
     def where(self) -> str:
         """``topic[partition]@first..last``."""
@@ -231,12 +225,6 @@ class _Registry:
 
 
 _REGISTRY = _Registry()
-
-
-def guarded_topics() -> frozenset[str]:
-    """Topics whose undecodable batches become stand-in records (see the module docstring)."""
-    with _REGISTRY.lock:
-        return frozenset(_REGISTRY.guarded)
 
 
 def take_undecodable(topic: str, partition: int, offset: int) -> UndecodableBatch | None:

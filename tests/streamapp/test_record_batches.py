@@ -17,6 +17,7 @@ from aiokafka.consumer import fetcher
 from aiokafka.consumer.fetcher import READ_UNCOMMITTED
 from aiokafka.structs import TopicPartition
 
+from streamapp import record_batches
 from streamapp.record_batches import (
     guard_record_batches,
     is_skipped_stand_in,
@@ -159,3 +160,18 @@ def test_a_batch_met_twice_is_counted_once(request_topic: str) -> None:
 
     assert first == second == ([(0, None), (1, None)], 2)
     assert undecodable_counts([request_topic]) == {(request_topic, "dead_lettered"): (1, 2)}
+
+
+def test_a_batch_beyond_the_memory_bound_is_registered_without_its_bytes(
+    request_topic: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Batches wait in memory for their dead letters; beyond MAX_KEPT_BATCH_BYTES only their
+    size and sha256 are kept (the first letter then has no bytes to hold)."""
+    bad = with_bad_crc(batch_bytes(values(0, 2)))
+    monkeypatch.setattr(record_batches, "MAX_KEPT_BATCH_BYTES", len(bad) - 1)
+
+    assert unpack(request_topic, bad) == ([(0, None), (1, None)], 2)
+
+    batch = take_undecodable(request_topic, 0, 0)
+    assert batch is not None and batch.data is None
+    assert (batch.size_bytes, batch.sha256) == (len(bad), hashlib.sha256(bad).hexdigest())
