@@ -22,6 +22,7 @@ from streamapp.faust_compat import (
     FaustConsumer,
     FaustSink,
     event_context,
+    guard_undecodable_batches,
     set_fetch_max_wait,
     set_producer_buffer_max,
     set_read_committed,
@@ -130,6 +131,8 @@ def create_app(settings: Settings | None = None) -> faust.App:
         settings = load_settings()
     conf = settings
     app = faust.App(conf.app_id, **faust_options(conf))
+    # A batch the consumer cannot decode becomes dead letters there, never a stopped partition.
+    guard_undecodable_batches((conf.request_topic, conf.retry_topic))
     raw = {"key_type": bytes, "value_type": bytes, "key_serializer": "raw",
            "value_serializer": "raw"}
     partitions = conf.topic_partitions

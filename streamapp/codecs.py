@@ -66,6 +66,8 @@ REASONS: dict[str, str] = {
     "invalid_retry_record": "a record in the retry topic is not a valid retry record",
     "unproducible_outcome": "the result, retry record or dead letter could not be produced "
     "(e.g. larger than max_produce_bytes)",
+    "undecodable_record_batch": "the record batch holding this offset could not be decoded by "
+    "the worker's consumer (bad CRC, a codec it lacks, corrupt compressed data)",
     "internal_error": "a bug in streamapp; the log has the traceback",
 }
 

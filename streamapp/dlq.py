@@ -326,7 +326,9 @@ class ReplayReport:
         dry_run: Nothing was published.
         skipped: Matched dead letters that cannot be replayed because their original value or
             key was left out (too large to keep: ``extra.value_omitted`` / ``key_omitted``,
-            e.g. ``unproducible_outcome``); re-publishing them would send an empty value.
+            e.g. ``unproducible_outcome``), or that stand for an offset of a record batch the
+            worker could not decode (``extra.record_batch``); re-publishing them would send an
+            empty value or a whole batch as one value.
     """
 
     matched: int
@@ -337,8 +339,9 @@ class ReplayReport:
 
 
 def replayable(letter: DeadLetter) -> bool:
-    """Whether a dead letter still holds its original key and value byte for byte."""
-    return not ({"value_omitted", "key_omitted"} & set(letter.extra or {}))
+    """Whether a dead letter still holds its original key and value byte for byte (never one
+    of an undecodable record batch: its value is the batch, or empty)."""
+    return not ({"value_omitted", "key_omitted", "record_batch"} & set(letter.extra or {}))
 
 
 async def replay_dead_letters(
@@ -373,7 +376,8 @@ async def replay_dead_letters(
     skipped = len(matched) - len(entries)
     if skipped:
         log.warning("%d matching dead letters cannot be replayed: their original value or key "
-                    "was too large to keep (extra.value_omitted / key_omitted)", skipped)
+                    "was too large to keep (extra.value_omitted / key_omitted), or they stand "
+                    "for an undecodable record batch (extra.record_batch)", skipped)
     if dry_run or not entries:
         return ReplayReport(len(matched), 0, request_topic, dry_run, skipped)
     producer = AIOKafkaProducer(

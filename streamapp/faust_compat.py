@@ -18,6 +18,7 @@ from faust.streams import _current_event
 from faust.types import TP
 
 from streamapp.kafka import kafka_security_options, read_partition_range
+from streamapp.record_batches import guard_record_batches, is_skipped_stand_in
 from streamapp.settings import Settings
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "commit_offsets",
     "committed_or_earliest",
     "event_context",
+    "guard_undecodable_batches",
     "make_worker",
     "partition_lag",
     "producer_buffer_stalled",
@@ -227,6 +229,37 @@ def tolerate_stale_member_url(app: Any) -> None:
             coordinator.request_rejoin()
 
     assignor.on_assignment = checked_on_assignment
+
+
+def guard_undecodable_batches(source_topics: Iterable[str]) -> None:
+    """Make record batches the consumer cannot decode harmless (:mod:`streamapp.record_batches`):
+    those of ``source_topics`` (request and retry) become dead letters, those of the tables'
+    changelogs are skipped, and the one stand-in record a skipped batch leaves (so that Faust's
+    recovery reaches the partition's end) never reaches a table.
+
+    Faust 0.15.3 applies changelog records in ``Collection.apply_changelog_batch(batch)`` (a
+    list of events, from recovery and standby reads), with no filter hook: the patch drops the
+    stand-ins from that list. A stand-in has key and value None and an offset
+    :func:`~streamapp.record_batches.is_skipped_stand_in` knows; no real changelog record has a
+    None key. Installed once per process; idempotent.
+    """
+    guard_record_batches(source_topics)
+    from faust.tables.base import Collection
+
+    if getattr(Collection.apply_changelog_batch, "streamapp_guarded", False):
+        return
+    apply_changelog_batch = Collection.apply_changelog_batch
+
+    def without_stand_ins(self: Any, batch: Iterable[Any]) -> None:
+        apply_changelog_batch(self, [event for event in batch if not _skipped(event.message)])
+
+    without_stand_ins.streamapp_guarded = True  # type: ignore[attr-defined]
+    Collection.apply_changelog_batch = without_stand_ins  # type: ignore[method-assign]
+
+
+def _skipped(message: Any) -> bool:
+    return (message.key is None and message.value is None
+            and is_skipped_stand_in(message.topic, message.partition, message.offset))
 
 
 class _StandInMessage:

@@ -126,6 +126,13 @@ METRIC_FAMILIES: tuple[tuple[str, str, str, str], ...] = (
          "processed again)."),
         ("streamapp_bisections_total", "counter", "",
          "Failed batches split in halves to isolate the failing request(s)."),
+        ("streamapp_undecodable_batches_total", "counter", "topic, handling",
+         "Fetched record batches the consumer could not decode (bad CRC, a codec it lacks, "
+         "corrupt compressed data), each counted once: `dead_lettered` (request and retry "
+         "topics: one `undecodable_record_batch` dead letter per offset) or `skipped` (table "
+         "changelogs: logged at ERROR); docs/faults.md."),
+        ("streamapp_undecodable_records_total", "counter", "topic, handling",
+         "Offsets those batches cover."),
     ),
 )
 
@@ -212,6 +219,9 @@ class WorkerGauges:
     #: Delivery counters: ``gap_reads``, ``gap_records``, ``commits``, ``commit_failures``,
     #: ``produce_failures``, ``bisections`` (see :data:`DELIVERY_COUNTERS`).
     delivery: dict[str, int] = field(default_factory=dict)
+    #: ``{(topic, handling): (batches, offsets)}`` of undecodable record batches
+    #: (:func:`streamapp.record_batches.undecodable_counts`).
+    undecodable: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)
 
 
 #: ``(key in WorkerGauges.delivery, family name without _total, help)`` of the delivery counters.
@@ -266,6 +276,14 @@ class _GaugeCollector(Collector):
             yield CounterMetricFamily(name, text, value=value)
         for key, name, text in DELIVERY_COUNTERS:
             yield CounterMetricFamily(name, text, value=g.delivery.get(key, 0))
+        batches = CounterMetricFamily("streamapp_undecodable_batches", "Record batches the "
+                                      "consumer could not decode.", labels=["topic", "handling"])
+        offsets = CounterMetricFamily("streamapp_undecodable_records", "Offsets of undecodable "
+                                      "record batches.", labels=["topic", "handling"])
+        for (topic, handling), (n_batches, n_offsets) in sorted(g.undecodable.items()):
+            batches.add_metric([topic, handling], n_batches)
+            offsets.add_metric([topic, handling], n_offsets)
+        yield from (batches, offsets)
         samples = self._metrics.gpu.sample() if self._metrics.gpu is not None else []
         if samples:
             util = GaugeMetricFamily("streamapp_gpu_utilization_ratio", "GPU utilisation 0-1.",

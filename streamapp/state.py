@@ -17,6 +17,7 @@ import faust
 from streamapp.agents.observer import PipelineObserver
 from streamapp.faust_compat import partition_lag
 from streamapp.metrics import Metrics, WorkerGauges
+from streamapp.record_batches import undecodable_counts
 from streamapp.settings import Settings
 from streamapp.tables import DeviceStateObserver, DeviceStateReader, WindowPlan
 from streamapp.tables.faust_tables import FaustDeviceTables, define_tables
@@ -103,6 +104,13 @@ class WorkerState:
                                     produced.produce_failures if produced else 0),
             "bisections": max(gauges.delivery.get("bisections", 0),
                               produced.bisections if produced else 0),
+        }
+        # This worker's topics: several apps may share a process (tests); Faust names
+        # changelogs "<app id>-<table>-changelog".
+        gauges.undecodable = {
+            key: counts for key, counts in undecodable_counts().items()
+            if key[0] in (self.settings.request_topic, self.settings.retry_topic)
+            or key[0].startswith(f"{self.settings.app_id}-")
         }
         gauges.lag, gauges.highwater, gauges.assigned = await partition_lag(
             self.app, (self.settings.request_topic, self.settings.retry_topic)

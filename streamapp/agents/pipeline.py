@@ -58,6 +58,7 @@ from streamapp.codecs import (
 from streamapp.exceptions import InternalError, InvalidRequestError, StreamAppError
 from streamapp.models import ModelConfig
 from streamapp.models.decoding import ImageDecoder
+from streamapp.record_batches import UndecodableBatchError, take_undecodable
 from streamapp.records import DeadLetter, InferenceRequest, InferenceResult
 from streamapp.retry import MemoryRetryStore, RetryRecord, RetryStore, backoff_s
 from streamapp.settings import Settings
@@ -86,6 +87,12 @@ def _record_error(exc: BaseException) -> BaseException | None:
             return current
         current, seen = current.__cause__, seen + 1
     return None
+
+
+def _type_name(error: BaseException) -> str:
+    """The error type a dead letter names: the decoding error's for an undecodable batch (e.g.
+    ``CorruptRecordException``), else the error's own."""
+    return getattr(error, "error_type", None) or type(error).__name__
 
 
 def _clip(text: str, limit: int) -> str:
@@ -245,6 +252,10 @@ class InferencePipeline:
         bad input: it becomes a dead letter."""
         self.stats.received += 1
         work = _Work(message)
+        undecodable = self._undecodable(message)
+        if undecodable is not None:
+            await self.batcher.put_done(work, undecodable)
+            return
         try:
             work.request = decode_request(
                 message.value, max_request_bytes=self.settings.max_request_bytes
@@ -268,7 +279,16 @@ class InferencePipeline:
     async def reject(self, message: SourceMessage, error: InvalidRequestError) -> None:
         """Send a record that cannot be processed at all straight to the DLQ, in read order."""
         self.stats.received += 1
-        await self.batcher.put_done(_Work(message), error)
+        await self.batcher.put_done(_Work(message), self._undecodable(message) or error)
+
+    @staticmethod
+    def _undecodable(message: SourceMessage) -> UndecodableBatchError | None:
+        """The error of a stand-in for an offset of a record batch the consumer could not
+        decode (:mod:`streamapp.record_batches`), or None for a real record."""
+        if message.value is not None:
+            return None
+        batch = take_undecodable(message.topic, message.partition, message.offset)
+        return None if batch is None else UndecodableBatchError(batch, message.offset)
 
     def _model(self, name: str) -> LoadedModel:
         try:
@@ -556,13 +576,15 @@ class InferencePipeline:
         return {
             "attempt": work.attempt,
             "reason": self._reason(work, error)[0],
-            "type": type(error).__name__,
+            "type": _type_name(error),
             "message": str(error),
             "ts": time.time(),
         }
 
     def _reason(self, work: _Work, error: BaseException) -> tuple[str, str]:
         """``(reason, stage)`` of a failure."""
+        if isinstance(error, UndecodableBatchError):
+            return error.reason, "consume"
         if isinstance(error, InvalidRequestError):
             stage = "decode" if work.request is None else "validate"
             if error.reason == "duplicate_request_id":
@@ -738,12 +760,19 @@ class InferencePipeline:
         original = previous.value if previous else (source.value or b"")
         key = previous.key if previous else source.key
         extra: dict[str, Any] = {}
+        if isinstance(error, UndecodableBatchError):
+            # The batch's bytes go into the letter of its first undecoded offset, so that an
+            # operator can recover the records (docs/faults.md).
+            extra["record_batch"] = error.batch.describe()
+            original = error.batch_value() or b""
         if small or len(original) > self.settings.max_dead_letter_value_bytes:
             # base64 grows it by 4/3: a large original would not fit in one Kafka record
             extra["value_omitted"] = {
                 "bytes": len(original), "sha256": hashlib.sha256(original).hexdigest(),
             }
             original = b""
+        if "record_batch" in extra:
+            extra["record_batch"]["bytes_in_value"] = bool(original)
         message, attempts = str(error), len(errors)
         if small:
             stage = "produce"
@@ -763,7 +792,7 @@ class InferencePipeline:
         letter = DeadLetter(
             value=original,
             key=key,
-            error={"reason": reason, "type": type(error).__name__, "message": message,
+            error={"reason": reason, "type": _type_name(error), "message": message,
                    "stage": stage},
             attempts=attempts,
             first_failed_ts=previous.first_failed_ts if previous else now,

@@ -30,6 +30,7 @@ NOT_FROM_ONE_RECORD = {
     "retries_exhausted",
     "invalid_retry_record",
     "unproducible_outcome",
+    "undecodable_record_batch",  # the batch's bytes, not a record's (test_record_batches.py)
     "internal_error",
 }
 

@@ -470,6 +470,7 @@ def test_every_decode_reason_is_reachable() -> None:
         "retries_exhausted",
         "invalid_retry_record",
         "unproducible_outcome",
+        "undecodable_record_batch",
         "internal_error",
     }
 
