@@ -33,8 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--no-scaleout", action="store_true", help="skip the scale-out section")
     run.add_argument("--broker", choices=("embedded", "kafka", "both"), default=None,
                      help="measure on the embedded broker, on Apache Kafka (its section only: "
-                     "ceilings, perf-tool anchor, product) or both (default: the profile's: "
-                     "both for cpu and smoke, embedded for gpu)")
+                     "ceilings, perf-tool anchor, product) or both (the default; the Kafka "
+                     "section is skipped with one line where there is no Java)")
     run.add_argument("--launcher", choices=LAUNCHERS, default="own",
                      help="how the scale-out starts N workers: N processes started here "
                      "(own) or one 'streamapp worker --processes N' (processes)")

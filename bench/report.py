@@ -152,6 +152,9 @@ def format_kafka(results: Mapping[str, Any]) -> list[str]:
         row("  broker CPU, % of one core", get(e, "transport", "utilisation", "cpu_pct",
                                                 "broker"),
             get(k, "transport", "utilisation", "cpu_pct", "broker"))
+        row("  other processes' CPU meanwhile, % of one core",
+            get(e, "transport", "utilisation", "other_cpu_pct"),
+            get(k, "transport", "utilisation", "other_cpu_pct"))
         if "saturation" in k:
             row("product at saturation, results/s", get(e, "saturation", "results_per_s"),
                 get(k, "saturation", "results_per_s"))
@@ -159,6 +162,9 @@ def format_kafka(results: Mapping[str, Any]) -> list[str]:
                     f"{_cpu(w.get('saturation', {}), 'broker')}" for w in (e, k)]
             lines.append(f"  {'  worker CPU, broker CPU (% of one core)':<52}{cpus[0]:>12}"
                          f"{cpus[1]:>14}")
+            row("  other processes' CPU meanwhile, % of one core",
+                get(e, "saturation", "utilisation", "other_cpu_pct"),
+                get(k, "saturation", "utilisation", "other_cpu_pct"))
             level = k.get("plan", {}).get("p99_level", 0.7)
             row(f"product p99 at {level:.0%} of saturation, ms", _p99_at(e), _p99_at(k), ".1f")
             r = kr.get(name, {})
