@@ -353,31 +353,19 @@ async def produce_only(
 ) -> dict[str, Any]:
     """Produce ``n`` payloads as fast as aiokafka can, nothing consuming: the aiokafka side of
     the comparison with Kafka's ProducerPerformance (same options as :func:`transport`)."""
-    producer = _producer(bootstrap, transport_options(producer_options))
-    await producer.start()
-    sender = _Sender(producer, topic, payload)
-    sender.payload, payloads = _cached(payload, n)
-    try:
-        started = time.time()
-        for i in range(n):
-            await sender.send(i, 0.0)
-        await sender.flush()
-        done = time.time()
-        nbytes = sum(len(k) + len(v) for k, v in payloads) / len(payloads) * n
-        return {"messages": n, "send_failures": sender.failed,
-                "msgs_per_s": n / (done - started), "mb_per_s": nbytes / (done - started) / 1e6,
-                "payload_bytes": int(nbytes / n), "t0": started, "t1": done}
-    finally:
-        await producer.stop()
+    return await transport(bootstrap, topic, payload, n=n, producer_options=producer_options,
+                           consume=False)
 
 
 async def transport(
     bootstrap: str, topic: str, payload: PayloadFn, *, n: int,
     producer_options: Mapping[str, Any] | None = None, timeout_s: float = 120.0,
+    consume: bool = True,
 ) -> dict[str, Any]:
     """Produce ``n`` payloads as fast as aiokafka can while a consumer reads them back
-    (producer options: :func:`transport_options`)."""
-    collector = await Collector(bootstrap, [topic], None).start()
+    (producer options: :func:`transport_options`); ``consume=False``: nobody reads, the rate
+    is produce-and-acknowledged."""
+    collector = await Collector(bootstrap, [topic], None).start() if consume else None
     producer = _producer(bootstrap, transport_options(producer_options))
     await producer.start()
     sender = _Sender(producer, topic, payload)
@@ -388,17 +376,19 @@ async def transport(
             await sender.send(i, 0.0)
         await sender.flush()
         produced = time.time()
-        complete = await collector.wait_count(n, timeout_s)
+        complete = await collector.wait_count(n, timeout_s) if collector else not sender.failed
         done = time.time()
         nbytes = sum(len(k) + len(v) for k, v in payloads) / len(payloads) * n
+        received = collector.count if collector else n - sender.failed
         return {
             "messages": n, "complete": complete, "send_failures": sender.failed,
             "produce_per_s": n / (produced - started),
-            "msgs_per_s": collector.count / (done - started),
+            "msgs_per_s": received / (done - started),
             "mb_per_s": nbytes / (done - started) / 1e6,
             "payload_bytes": int(nbytes / n),
             "t0": started, "t1": done,
         }
     finally:
         await producer.stop()
-        await collector.stop()
+        if collector is not None:
+            await collector.stop()
