@@ -140,10 +140,10 @@ def format_kafka(results: Mapping[str, Any]) -> list[str]:
         def row(label: str, ev: Any, kv: Any, spec: str = ",.0f") -> None:
             lines.append(f"  {label:<52}{_f(ev, spec):>12}{_f(kv, spec):>14}")
 
-        def get(w: Mapping[str, Any], *path: str) -> Any:
+        def get(w: Any, *path: str) -> Any:
             for key in path:
-                w = w.get(key) or {}
-            return w or None
+                w = w.get(key) if isinstance(w, Mapping) else None
+            return w
 
         row("ceiling: aiokafka produce+consume, msgs/s", get(e, "transport", "msgs_per_s"),
             get(k, "transport", "msgs_per_s"))

@@ -101,7 +101,8 @@ def _side(transport: float, product: float, p99: float) -> dict[str, Any]:
     return {"describe": "d", "payload_bytes": 171,
             "plan": {"delay_ms": 5.0, "batch": 32, "backend": "x", "inflight": 2,
                      "partitions": 4, "p99_level": 0.7},
-            "transport": {"msgs_per_s": transport, "mb_per_s": 1.0},
+            "transport": {"msgs_per_s": transport, "mb_per_s": 1.0, "utilisation": {
+                "cpu_pct": {"broker": transport / 1000}, "other_cpu_pct": 0.0}},
             "saturation": {"results_per_s": product, "window": 10},
             "open_loop": [{"level": 0.7, "rate": 0.7 * product, "results_per_s": 0.7 * product,
                            "p50_ms": 4.0, "p95_ms": 6.0, "p99_ms": p99, "complete": True}]}
@@ -129,6 +130,8 @@ def test_kafka_ratios_and_side_by_side_report() -> None:
     assert r["aiokafka_over_java_whole_run"] == pytest.approx(30_000 / 58927.519151)
     rows = {" ".join(line.split()) for line in format_report(results).splitlines()}
     assert "ceiling: aiokafka produce+consume, msgs/s 80,000 40,000" in rows
+    assert "broker CPU, % of one core 80 40" in rows
+    assert "other processes' CPU meanwhile, % of one core 0 0" in rows
     assert "product at saturation, results/s 1,200 1,000" in rows
     assert "product p99 at 70% of saturation, ms 60.0 80.0" in rows
     assert "product ÷ transport ceiling 0.015 0.025" in rows
