@@ -12,6 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from bench.procs import BrokerKind
 from bench.report import format_report, write_plots
 from bench.run import PROFILES, environment, run_profile
 from bench.scaleout import LAUNCHERS, SCALE_PROFILES, run_scaleout
@@ -30,6 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--budget-s", type=float, default=None,
                      help="skip what no longer fits in this many seconds (hard time limits)")
     run.add_argument("--no-scaleout", action="store_true", help="skip the scale-out section")
+    run.add_argument("--broker", choices=("embedded", "kafka", "both"), default=None,
+                     help="measure on the embedded broker, on Apache Kafka (its section only: "
+                     "ceilings, perf-tool anchor, product) or both (the default; the Kafka "
+                     "section is skipped with one line where there is no Java)")
     run.add_argument("--launcher", choices=LAUNCHERS, default="own",
                      help="how the scale-out starts N workers: N processes started here "
                      "(own) or one 'streamapp worker --processes N' (processes)")
@@ -76,16 +81,17 @@ def main(argv: list[str] | None = None) -> int:
         backlog_flag = False if args.no_backlog else None
     else:
         profile = replace(PROFILES["cpu"], name="backlog", plans=(), backlog_n=args.requests,
-                          backlog_s=args.seconds)
+                          backlog_s=args.seconds, brokers=("embedded",))
         only, out, backlog_flag = (), args.out, True
-        args.logs = args.budget_s = None
+        args.logs = args.budget_s = args.broker = None
         args.no_scaleout, args.launcher = True, "own"
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     results = run_profile(profile, out, only=only, backlog=backlog_flag, log=log,
                           logs=args.logs, budget_s=args.budget_s,
                           start_s=12.0 if profile.name == "gpu" else 7.0,
-                          scaleout=not args.no_scaleout, launcher=args.launcher)
+                          scaleout=not args.no_scaleout, launcher=args.launcher,
+                          brokers=_brokers(args.broker))
     report = format_report(results)
     (out / "report.txt").write_text(report + "\n")
     plots = write_plots(results, out)
@@ -97,7 +103,15 @@ def main(argv: list[str] | None = None) -> int:
     if "error" in results.get("backlog", {}):
         failed.append("backlog")
     failed += results.get("scaleout", {}).get("failed", [])
+    failed += [f"{n} on Apache Kafka" for n, w in
+               results.get("apache_kafka", {}).get("workloads", {}).items() if "error" in w]
     return 1 if failed else 0
+
+
+def _brokers(choice: str | None) -> tuple[BrokerKind, ...] | None:
+    if choice is None:
+        return None
+    return ("embedded", "kafka") if choice == "both" else (choice,)  # type: ignore[return-value]
 
 
 def _scaleout(args: argparse.Namespace, log: Callable[[str], None]) -> int:

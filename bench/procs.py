@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import shutil
@@ -13,24 +14,100 @@ import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import psutil
 
 from streamapp.broker import EmbeddedBroker
 from streamapp.children import free_port, popen_child, terminate_group
 from streamapp.kafka import create_topics
+from streamapp.kafka_server import JVM_OPTS_ENV, KafkaBroker
 from streamapp.process import WorkerProcess
 
-__all__ = ["Forwarder", "Sampler", "fresh_broker", "profile_pid", "start_worker"]
+__all__ = ["BENCH_KAFKA_JVM_OPTS", "Broker", "BrokerKind", "Forwarder", "Sampler",
+           "bench_topics", "fresh_broker", "kind_of", "profile_pid", "start_worker"]
+
+#: A broker of either kind (the same interface: bootstrap_servers, url, pid).
+Broker = EmbeddedBroker | KafkaBroker
+BrokerKind = Literal["embedded", "kafka"]
+#: JVM options of the benchmark's Apache Kafka: those of Kafka's own kafka-server-start.sh and
+#: kafka-run-class.sh (1 GB heap, G1), not the tests' C1-only JIT of
+#: streamapp.kafka_server.DEFAULT_JVM_OPTS (faster start, slower code). $STREAMAPP_KAFKA_JVM_OPTS,
+#: when set, wins.
+BENCH_KAFKA_JVM_OPTS = ("-Xmx1G -Xms1G -server -XX:+UseG1GC -XX:MaxGCPauseMillis=20 "
+                        "-XX:InitiatingHeapOccupancyPercent=35 -XX:+ExplicitGCInvokesConcurrent "
+                        "-XX:MaxInlineLevel=15 -Djava.awt.headless=true")
 
 
 @contextlib.contextmanager
-def fresh_broker(log_dir: Path, name: str) -> Iterator[EmbeddedBroker]:
-    """A new Tansu broker for one measurement (its log length then does not carry over:
-    shared/BROKER.md item 3)."""
-    with EmbeddedBroker(log_path=log_dir / f"broker-{name}.log") as broker:
-        yield broker
+def fresh_broker(log_dir: Path, name: str, kind: BrokerKind = "embedded") -> Iterator[Broker]:
+    """A new broker for one measurement (or one workload, on Apache Kafka).
+
+    ``embedded``: Tansu, fresh per measurement (its log length then does not carry over:
+    shared/BROKER.md item 3). ``kafka``: a single-node Apache Kafka (KRaft, temporary data
+    directory, the tests' broker properties: streamapp.kafka_server.broker_properties;
+    :data:`BENCH_KAFKA_JVM_OPTS`); its log is copied to ``log_dir`` when it stops.
+    """
+    if kind == "embedded":
+        with EmbeddedBroker(log_path=log_dir / f"broker-{name}.log") as broker:
+            yield broker
+        return
+    previous = os.environ.get(JVM_OPTS_ENV)
+    os.environ[JVM_OPTS_ENV] = previous or BENCH_KAFKA_JVM_OPTS
+    kafka = KafkaBroker()
+    try:
+        kafka.start()
+    finally:
+        if previous is None:
+            os.environ.pop(JVM_OPTS_ENV, None)
+    try:
+        yield kafka
+    finally:
+        if kafka.log_path is not None and kafka.log_path.is_file():
+            with contextlib.suppress(OSError):
+                shutil.copyfile(kafka.log_path, log_dir / f"kafka-{name}.log")
+        kafka.stop()
+
+
+def bench_topics(broker: Broker, topics: Mapping[str, int], timeout_s: float = 30.0) -> None:
+    """Create ``topics`` (name -> partitions) and, on Apache Kafka, wait until every partition
+    answers a ListOffsets request: right after creation its leader may not be serving yet, and
+    the first sends fail with NotLeaderForPartitionError and are retried inside a
+    measurement."""
+    create_topics(broker.bootstrap_servers, dict(topics))
+    if kind_of(broker) == "kafka":
+        asyncio.run(_wait_leaders(broker.bootstrap_servers, list(topics), timeout_s))
+
+
+async def _wait_leaders(bootstrap: str, topics: list[str], timeout_s: float) -> None:
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+    from aiokafka.errors import KafkaError
+
+    deadline = time.monotonic() + timeout_s
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=None)
+    await consumer.start()
+    try:
+        for topic in topics:
+            while True:
+                parts = consumer.partitions_for_topic(topic)
+                if parts:
+                    try:
+                        await consumer.end_offsets([TopicPartition(topic, p) for p in parts])
+                        break
+                    except KafkaError:
+                        pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"topic {topic!r} has no serving leader after "
+                                       f"{timeout_s} s")
+                await consumer._client.force_metadata_update()
+                await asyncio.sleep(0.1)
+    finally:
+        await consumer.stop()
+
+
+def kind_of(broker: Broker) -> BrokerKind:
+    """``embedded`` or ``kafka``: the workers' ``broker_kind`` for ``broker``."""
+    return "embedded" if isinstance(broker, EmbeddedBroker) else "kafka"
 
 
 def topic_names(prefix: str) -> dict[str, str]:
@@ -39,18 +116,19 @@ def topic_names(prefix: str) -> dict[str, str]:
 
 @contextlib.contextmanager
 def start_worker(
-    broker: EmbeddedBroker, settings: Mapping[str, Any], log_dir: Path, name: str,
+    broker: Broker, settings: Mapping[str, Any], log_dir: Path, name: str,
     *, partitions: int, ready_timeout_s: float = 120.0,
 ) -> Iterator[tuple[WorkerProcess, dict[str, str], float]]:
     """A ``streamapp worker`` child on ``broker``, ready; yields (process, topics, seconds to
-    ready). Topics get a fresh prefix and ``partitions`` partitions."""
+    ready). Topics get a fresh prefix and ``partitions`` partitions; ``broker_kind`` follows
+    the broker's type."""
     app_id = f"bench-{name}-{uuid.uuid4().hex[:6]}"
     prefix = f"{app_id}."
     topics = topic_names(prefix)
-    create_topics(broker.bootstrap_servers, {t: partitions for t in topics.values()})
+    bench_topics(broker, {t: partitions for t in topics.values()})
     data_dir = log_dir / f"data-{app_id}"
     proc = WorkerProcess(
-        {"broker": broker.url, "broker_kind": "embedded", "app_id": app_id,
+        {"broker": broker.url, "broker_kind": kind_of(broker), "app_id": app_id,
          "topic_prefix": prefix, "topic_partitions": partitions, "data_dir": data_dir, **settings},
         log_path=log_dir / f"worker-{name}.log",
     )

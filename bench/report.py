@@ -9,8 +9,10 @@ from typing import Any
 from bench.scaleout import summarize_series
 
 __all__ = [
+    "format_kafka",
     "format_report",
     "format_scaleout",
+    "kafka_ratios",
     "plot_scaleout",
     "ratios",
     "scaleout_targets",
@@ -64,6 +66,134 @@ def ratios(results: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
                 r["roundtrip_p99_ms"] = rt
         out[name] = r
     return out
+
+
+def _p99_at(w: Mapping[str, Any]) -> float | None:
+    level = w.get("plan", {}).get("p99_level", 0.7)
+    at = [o for o in w.get("open_loop", []) if abs(o.get("level", 0) - level) < 1e-6]
+    return at[0].get("p99_ms") if at else None
+
+
+def kafka_ratios(results: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per workload measured on Apache Kafka: product ÷ aiokafka transport ceiling on each
+    broker, Kafka ÷ embedded for the ceiling and the product, and aiokafka produce-alone ÷
+    Kafka's ProducerPerformance (its steady state after the warm-up records, and its whole
+    run). None-valued keys are left out."""
+    out: dict[str, dict[str, Any]] = {}
+    embedded = results.get("workloads", {})
+    for name, k in results.get("apache_kafka", {}).get("workloads", {}).items():
+        e = embedded.get(name, {})
+        r: dict[str, Any] = {}
+        for side, w in (("embedded", e), ("kafka", k)):
+            product = w.get("saturation", {}).get("results_per_s")
+            ceiling = w.get("transport", {}).get("msgs_per_s")
+            if product and ceiling:
+                r[f"product_over_transport_{side}"] = product / ceiling
+        for key, path in (("transport", ("transport", "msgs_per_s")),
+                          ("product", ("saturation", "results_per_s"))):
+            ev, kv = e.get(path[0], {}).get(path[1]), k.get(path[0], {}).get(path[1])
+            if ev and kv:
+                r[f"{key}_kafka_over_embedded"] = kv / ev
+        anchor = k.get("anchor", {})
+        aio = anchor.get("aiokafka_produce", {}).get("msgs_per_s")
+        java = anchor.get("producer_perf", {})
+        if aio and java.get("records_per_s"):
+            r["aiokafka_over_java"] = aio / java.get("steady", java)["records_per_s"]
+            r["aiokafka_over_java_whole_run"] = aio / java["records_per_s"]
+            ceiling = k.get("transport", {}).get("msgs_per_s")
+            if ceiling:
+                r["ceiling_over_java"] = ceiling / java.get("steady", java)["records_per_s"]
+        out[name] = r
+    return out
+
+
+def format_kafka(results: Mapping[str, Any]) -> list[str]:
+    """The Apache Kafka section: per workload the embedded broker and Apache Kafka side by
+    side (same plan), the perf-tool anchor, and the ratios; or the one line saying why it
+    was skipped. Empty when the run had no Kafka section."""
+    section = results.get("apache_kafka")
+    if not section:
+        return []
+    if "skipped" in section:
+        return ["", f"Apache Kafka: SKIPPED ({section['skipped']})"]
+    lines = ["", f"Apache Kafka {section.get('version')} beside the embedded broker: one KRaft "
+             "node on loopback (data on disk, the test suite's broker settings), JVM "
+             f"{section.get('jvm_opts')}; the same plans (partitions, batch settings, one "
+             "worker) as above; one broker per workload, fresh topics and workers per "
+             "measurement"]
+    embedded = results.get("workloads", {})
+    kr = kafka_ratios(results)
+    for name, k in section.get("workloads", {}).items():
+        lines.append("")
+        if "error" in k and "transport" not in k:
+            lines.append(f"{name} on Apache Kafka: FAILED: {k['error']}")
+            continue
+        e = embedded.get(name, {})
+        warm = k.get("warmup") or {}
+        lines.append(f"{name} ({k.get('payload_bytes', 0):,} B/request), Apache Kafka ready in "
+                     f"{_f(k.get('broker_start_s'), '.1f')} s"
+                     + (f", then warmed up with {warm['messages']:,} records produce+consume "
+                        f"({warm['msgs_per_s']:,.0f} msg/s while warming)" if warm else "")
+                     + (f"; FAILED later: {k['error']}" if "error" in k else ""))
+        lines.append(f"  {'measurement':<52}{'embedded':>12}{'Apache Kafka':>14}")
+
+        def row(label: str, ev: Any, kv: Any, spec: str = ",.0f") -> None:
+            lines.append(f"  {label:<52}{_f(ev, spec):>12}{_f(kv, spec):>14}")
+
+        def get(w: Any, *path: str) -> Any:
+            for key in path:
+                w = w.get(key) if isinstance(w, Mapping) else None
+            return w
+
+        row("ceiling: aiokafka produce+consume, msgs/s", get(e, "transport", "msgs_per_s"),
+            get(k, "transport", "msgs_per_s"))
+        row("  its MB/s", get(e, "transport", "mb_per_s"), get(k, "transport", "mb_per_s"),
+            ",.1f")
+        row("  broker CPU, % of one core", get(e, "transport", "utilisation", "cpu_pct",
+                                                "broker"),
+            get(k, "transport", "utilisation", "cpu_pct", "broker"))
+        row("  other processes' CPU meanwhile, % of one core",
+            get(e, "transport", "utilisation", "other_cpu_pct"),
+            get(k, "transport", "utilisation", "other_cpu_pct"))
+        if "saturation" in k:
+            row("product at saturation, results/s", get(e, "saturation", "results_per_s"),
+                get(k, "saturation", "results_per_s"))
+            cpus = [f"{_cpu(w.get('saturation', {}), 'worker')}, "
+                    f"{_cpu(w.get('saturation', {}), 'broker')}" for w in (e, k)]
+            lines.append(f"  {'  worker CPU, broker CPU (% of one core)':<52}{cpus[0]:>12}"
+                         f"{cpus[1]:>14}")
+            row("  other processes' CPU meanwhile, % of one core",
+                get(e, "saturation", "utilisation", "other_cpu_pct"),
+                get(k, "saturation", "utilisation", "other_cpu_pct"))
+            level = k.get("plan", {}).get("p99_level", 0.7)
+            row(f"product p99 at {level:.0%} of saturation, ms", _p99_at(e), _p99_at(k), ".1f")
+            r = kr.get(name, {})
+            row("product ÷ transport ceiling", r.get("product_over_transport_embedded"),
+                r.get("product_over_transport_kafka"), ".3f")
+        a = k.get("anchor")
+        if a:
+            java, aio, cons = a["producer_perf"], a["aiokafka_produce"], a["consumer_perf"]
+            steady = java.get("steady", java)
+            props = java.get("properties", {})
+            lines.append(
+                f"  produce alone on Apache Kafka, {a['records']:,} records of "
+                f"{java.get('record_size', 0):,} B (acks={props.get('acks')}, linger.ms="
+                f"{props.get('linger.ms')}, batch.size={props.get('batch.size')}, "
+                f"compression {props.get('compression.type')}, idempotence off, 16 keys):")
+            lines.append(f"    aiokafka {aio['msgs_per_s']:,.0f} msgs/s; Kafka's "
+                         f"ProducerPerformance {java['records_per_s']:,.0f} records/s whole run, "
+                         f"{steady['records_per_s']:,.0f}/s after {a['records'] // 5:,} warm-up "
+                         f"records (latency p50 {steady['p50_ms']:.0f}, p99 "
+                         f"{steady['p99_ms']:.0f} ms); ConsumerPerformance "
+                         f"{cons['records_per_s']:,.0f} records/s reading them back")
+            r = kr.get(name, {})
+            if "aiokafka_over_java" in r:
+                lines.append(
+                    f"    aiokafka ÷ ProducerPerformance = {r['aiokafka_over_java']:.2f} "
+                    f"({r['aiokafka_over_java_whole_run']:.2f} against its whole run); "
+                    f"aiokafka produce+consume ceiling ÷ ProducerPerformance = "
+                    f"{r.get('ceiling_over_java', 0):.2f}")
+    return lines
 
 
 def format_report(results: Mapping[str, Any]) -> str:
@@ -179,6 +309,7 @@ def format_report(results: Mapping[str, Any]) -> str:
                 f"{b['watch_s']:.0f} s, {b['results_done']:,} answered "
                 f"({b.get('results_per_s', 0):,}/s); broker RSS "
                 f"{b['broker_rss_mib_after_produce']:,.0f} MiB")
+    lines += format_kafka(results)
     if results.get("scaleout", {}).get("series") or results.get("scaleout", {}).get("skipped"):
         lines += format_scaleout(results["scaleout"], env)
     if not results.get("workloads"):

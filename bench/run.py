@@ -8,6 +8,7 @@ each profile (``smoke``, ``cpu``, ``gpu``) measures and for how long.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -15,14 +16,25 @@ import re
 import time
 import urllib.request
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from bench import load
-from bench.procs import Forwarder, Sampler, fresh_broker, profile_pid, py_spy, start_worker
+from bench.procs import (
+    Broker,
+    BrokerKind,
+    Forwarder,
+    Sampler,
+    bench_topics,
+    fresh_broker,
+    kind_of,
+    profile_pid,
+    py_spy,
+    start_worker,
+)
 from bench.workloads import Workload, forwarded_parse, result_parse, workload
 from streamapp.kafka import create_topics
 
@@ -66,6 +78,9 @@ class Plan:
     #: measured at its rate (the p99 budget's transport term) when ``roundtrip``.
     p99_level: float = 0.7
     roundtrip: bool = True
+    #: Records of the produce-only anchor on Apache Kafka: aiokafka alone, then Kafka's
+    #: ProducerPerformance (a fifth of them its warm-up) and ConsumerPerformance.
+    perf_n: int = 200_000
 
 
 @dataclass(frozen=True)
@@ -77,12 +92,19 @@ class Profile:
     backlog_n: int = 0
     backlog_s: float = 30.0
     cuda_streams: int = 2
+    #: The brokers ``python -m bench run`` measures unless ``--broker`` says otherwise.
+    #: ``embedded``: every plan as above; ``kafka``: the Apache Kafka section
+    #: (:meth:`Bench.kafka_workload`: per plan the transport ceiling and the perf-tool anchor,
+    #: and for the plans in ``kafka_product`` the product at saturation and at ``p99_level``).
+    brokers: tuple[BrokerKind, ...] = ("embedded",)
+    kafka_product: tuple[str, ...] = ("digits",)
 
 
 _RESNET_CPU = dict(backend="onnxruntime", batch=4, delay_ms=20.0, inflight=1, partitions=4,
                    window=16, engine_s=4.0, transport_n=5_000, forwarder=False,
                    sat_warmup_s=4.0, sat_s=10.0, loads=(0.7,), ol_warmup_s=3.0, ol_s=10.0,
-                   seeds=False, drain_s=30.0, producer={"max_request_size": 2 << 20})
+                   seeds=False, drain_s=30.0, producer={"max_request_size": 2 << 20},
+                   perf_n=2_000)
 # GPU: a fresh worker is slow at first; on the H200 run of 2026-11-30 a 4 s warm-up was far
 # too short (resnet50-tensor 21 results/s measured, 387/s on the same worker right after;
 # digits 739 then 2,059/s), hence longer warm-ups and worker_warmup_s. The likely cause, not
@@ -103,15 +125,19 @@ PROFILES: dict[str, Profile] = {
         Plan("digits", engine_s=0.5, transport_n=5000, sat_warmup_s=1.0, sat_s=1.5,
              loads=(0.5,), p99_level=0.5, ol_warmup_s=0.5, ol_s=1.0, drain_s=20.0,
              fresh_per_level=False, seeds_warmup_s=0.5, seeds_s=1.0, async_inflight=0,
-             profile_s=1.0, window=300),
-    ), backlog_n=5_000, backlog_s=2.0),
-    # make bench: the 2-core CPU machine, ONNX Runtime.
+             profile_s=1.0, window=300, perf_n=20_000),
+    ), backlog_n=5_000, backlog_s=2.0, brokers=("embedded", "kafka")),
+    # make bench: the 2-core CPU machine, ONNX Runtime; Apache Kafka beside the embedded broker
+    # (on Kafka: every ceiling, the product for digits only: ResNet-50 is engine-bound).
     "cpu": Profile("cpu", (
         Plan("digits", profile_s=8.0),
         Plan("resnet50-image", **_RESNET_CPU),  # type: ignore[arg-type]
-        Plan("resnet50-tensor", **{**_RESNET_CPU, "loads": ()}),  # type: ignore[arg-type]
-    ), backlog_n=1_000_000, backlog_s=30.0),
+        Plan("resnet50-tensor", **{**_RESNET_CPU, "loads": (),  # type: ignore[arg-type]
+                                   "perf_n": 1_000}),
+    ), backlog_n=1_000_000, backlog_s=30.0, brokers=("embedded", "kafka")),
     # The H200 (device tool): torch backend on CUDA, fp16 ResNet-50; most important first.
+    # Both brokers asked for, but the H200 has no Java: its Kafka section is skipped with one
+    # line saying so (where Java exists, the Kafka section runs inside the same --budget-s).
     "gpu": Profile("gpu", (
         Plan("resnet50-tensor", **{**_RESNET_GPU, "seeds": True,  # type: ignore[arg-type]
                                    "loads": (0.7,), "profile_s": 4.0}),
@@ -123,7 +149,7 @@ PROFILES: dict[str, Profile] = {
         # camera JPEGs decoded on the GPU (nvJPEG) by the torch backend (issue 11)
         Plan("resnet50-jpeg", **{**_RESNET_GPU, "loads": (0.7,),  # type: ignore[arg-type]
                                  "profile_s": 4.0}),
-    ), backlog_n=1_000_000, backlog_s=25.0),
+    ), backlog_n=1_000_000, backlog_s=25.0, brokers=("embedded", "kafka")),
 }
 
 
@@ -186,12 +212,23 @@ class Bench:
         self.run_id = uuid.uuid4().hex[:6]
         self.results: dict[str, Any] = {"profile": profile.name, "workloads": {},
                                         "plans": [asdict(p) for p in profile.plans]}
+        #: The broker of the measurements below: a fresh embedded one each, or (while
+        #: :meth:`kafka_workload` runs) the workload's Apache Kafka.
+        self._shared: Broker | None = None
+
+    @contextlib.contextmanager
+    def _broker(self, name: str) -> Iterator[Broker]:
+        if self._shared is not None:
+            yield self._shared
+        else:
+            with fresh_broker(self.logs, name) as broker:
+                yield broker
 
     # ceilings
     def transport(self, plan: Plan, wl: Workload) -> dict[str, Any]:
-        with fresh_broker(self.logs, f"transport-{wl.name}") as broker:
+        with self._broker(f"transport-{wl.name}") as broker:
             topic = f"bench-transport-{uuid.uuid4().hex[:6]}"
-            create_topics(broker.bootstrap_servers, {topic: plan.partitions})
+            bench_topics(broker, {topic: plan.partitions})
             with Sampler({"broker": broker.pid or 0, "bench": os.getpid()}) as sampler:
                 res = _run(load.transport(broker.bootstrap_servers, topic, wl.payload,
                                           n=plan.transport_n, producer_options=plan.producer))
@@ -201,7 +238,7 @@ class Bench:
         return res
 
     def forwarder(self, plan: Plan, wl: Workload) -> dict[str, Any]:
-        with fresh_broker(self.logs, f"forwarder-{wl.name}") as broker, \
+        with self._broker(f"forwarder-{wl.name}") as broker, \
                 Forwarder(broker, self.logs, plan.partitions) as fwd:
             started = _run(load.probe_until_flowing(broker.bootstrap_servers, fwd.source,
                                                     fwd.sink, 90.0))
@@ -222,7 +259,7 @@ class Bench:
         result (:mod:`bench.relay`): the transport's share of the latency budget."""
         from bench.scaleout import Fleet, launch_clients
 
-        with fresh_broker(self.logs, f"roundtrip-{wl.name}") as broker:
+        with self._broker(f"roundtrip-{wl.name}") as broker:
             group = f"bench-rt-{uuid.uuid4().hex[:6]}"
             source, sink = f"{group}.in", f"{group}.out"
             create_topics(broker.bootstrap_servers,
@@ -255,7 +292,7 @@ class Bench:
                    out: dict[str, Any] | None = None) -> dict[str, Any]:
         settings = _worker_settings(plan, wl, self.profile, batch=batch, inflight=inflight)
         name = f"{wl.name}-{label}"
-        with fresh_broker(self.logs, name) as broker, \
+        with self._broker(name) as broker, \
                 start_worker(broker, settings, self.logs, name,
                              partitions=plan.partitions) as (proc, topics, ready_s):
             assert proc.process is not None
@@ -271,6 +308,7 @@ class Bench:
             res["utilisation"] = sampler.summary(res["t0"], res["t1"])
             res["ready_s"] = ready_s
             res["settings"] = {k: str(v) for k, v in settings.items()}
+            res["settings"]["broker_kind"] = kind_of(broker)
             if profile_s > 0:
                 res["profile"] = self._profile(plan, wl, broker, proc.process.pid, topics,
                                                profile_s, name)
@@ -328,8 +366,8 @@ class Bench:
     def open_loop(self, plan: Plan, wl: Workload, rate: float, level: float) -> dict[str, Any]:
         """One load level on a fresh broker and worker."""
         settings = _worker_settings(plan, wl, self.profile)
-        name = f"{wl.name}-load{int(level * 100)}"
-        with fresh_broker(self.logs, name) as broker, \
+        name = f"{wl.name}-load{int(level * 100)}" + ("-kafka" if self._shared else "")
+        with self._broker(name) as broker, \
                 start_worker(broker, settings, self.logs, name,
                              partitions=plan.partitions) as (proc, topics, _ready):
             assert proc.process is not None
@@ -404,6 +442,102 @@ class Bench:
             seeds["dynamic"] = {"results_per_s": peak, "from": "saturation"}
             out["seeds"] = seeds
         self._save()
+        return out
+
+    # Apache Kafka beside the embedded broker
+    def kafka_workload(self, plan: Plan) -> dict[str, Any]:
+        """``plan`` on one single-node Apache Kafka (started for this workload, stopped after;
+        every measurement on fresh topics, the product on a fresh worker): the aiokafka
+        transport ceiling, the perf-tool anchor (:meth:`anchor`), and, for the workloads of
+        ``profile.kafka_product``, the product at saturation and at the plan's p99 level."""
+        wl = workload(plan.workload, run=self.run_id, models_dir=self._models_dir(plan))
+        self.log(f"\n== {wl.name} on Apache Kafka: {wl.payload_bytes:,} B/request; "
+                 f"{plan.partitions} partitions")
+        out: dict[str, Any] = {"describe": wl.describe, "payload_bytes": wl.payload_bytes,
+                               "plan": asdict(plan)}
+        self.results.setdefault("apache_kafka", {}).setdefault("workloads", {})[wl.name] = out
+        with fresh_broker(self.logs, wl.name, "kafka") as broker:
+            self._shared = broker
+            try:
+                out["broker_start_s"] = round(broker.startup_s or 0.0, 2)
+                out["warmup"] = self._kafka_warmup(plan, wl, broker)
+                self.log(f"  Apache Kafka ready in {out['broker_start_s']} s; warm-up "
+                         f"{out['warmup']['messages']:,} records produce+consume at "
+                         f"{out['warmup']['msgs_per_s']:,.0f} msg/s (not a result)")
+                # At most about 600 MB through the disk-backed broker (5,000 tensors would
+                # be 1.5 GB: 45 s on the shared 2-core machine).
+                n = min(plan.transport_n, max(1_000, 600_000_000 // max(1, wl.payload_bytes)))
+                out["transport"] = self.transport(replace(plan, transport_n=n), wl)
+                out["anchor"] = self.anchor(plan, wl, broker)
+                if plan.workload in self.profile.kafka_product:
+                    self._kafka_product(plan, wl, out)
+            finally:
+                self._shared = None
+        self._save()
+        return out
+
+    def _kafka_warmup(self, plan: Plan, wl: Workload, broker: Broker) -> dict[str, Any]:
+        """Produce+consume on a throw-away topic before the first measurement: a fresh JVM
+        interprets, then compiles, the broker's hot paths during its first seconds of traffic
+        (a production broker is warm). As many records as the transport ceiling sends, at most
+        about 200 MB (at least 1,000)."""
+        n = min(plan.transport_n, max(1_000, 200_000_000 // max(1, wl.payload_bytes)))
+        topic = f"bench-warmup-{uuid.uuid4().hex[:6]}"
+        bench_topics(broker, {topic: plan.partitions})
+        res = _run(load.transport(broker.bootstrap_servers, topic, wl.payload, n=n,
+                                  producer_options=plan.producer))
+        return {k: res[k] for k in ("messages", "msgs_per_s", "mb_per_s", "complete")}
+
+    def _kafka_product(self, plan: Plan, wl: Workload, out: dict[str, Any]) -> None:
+        levels = [lv for lv in plan.loads if abs(lv - plan.p99_level) < 1e-6]
+
+        def on_this_worker(broker: Any, topics: dict[str, str], pids: dict[str, int]
+                           ) -> list[dict[str, Any]]:
+            peak = out["saturation_rate"]
+            return [self._ol_done(self._measure_open_loop(plan, wl, max(1.0, lv * peak), broker,
+                                                          topics, pids), lv) for lv in levels]
+
+        sat = self.saturation(plan, wl, label="kafka-saturation",
+                              then=None if plan.fresh_per_level else on_this_worker, out=out)
+        out["saturation"] = sat
+        if plan.fresh_per_level:
+            out["open_loop"] = [self.open_loop(plan, wl, max(1.0, lv * sat["results_per_s"]), lv)
+                                for lv in levels]
+        else:
+            out["open_loop"] = sat.pop("then", [])
+
+    def anchor(self, plan: Plan, wl: Workload, broker: Broker) -> dict[str, Any]:
+        """Produce-only rates on ``broker``: aiokafka alone, then Kafka's ProducerPerformance
+        with the same record size (the workload's request value) and producer settings
+        (:func:`bench.kafka_tools.producer_properties` of :func:`bench.load.transport_options`),
+        then ConsumerPerformance reading those records back; ``plan.perf_n`` records each."""
+        from bench.kafka_tools import consumer_perf, producer_perf
+
+        options = load.transport_options(plan.producer)
+        out: dict[str, Any] = {"records": plan.perf_n, "options": {
+            k: v for k, v in options.items() if k != "request_timeout_ms"}}
+        topics = [f"bench-anchor-{k}-{uuid.uuid4().hex[:6]}" for k in ("aiokafka", "java")]
+        bench_topics(broker, {t: plan.partitions for t in topics})
+        with Sampler({"broker": broker.pid or 0, "bench": os.getpid()}) as sampler:
+            res = _run(load.produce_only(broker.bootstrap_servers, topics[0], wl.payload,
+                                         n=plan.perf_n, producer_options=plan.producer))
+        res["utilisation"] = sampler.summary(res["t0"], res["t1"])
+        out["aiokafka_produce"] = res
+        with Sampler({"broker": broker.pid or 0}) as sampler:
+            t0 = time.time()
+            java = producer_perf(broker.bootstrap_servers, topics[1], records=plan.perf_n,
+                                 record_size=wl.payload_bytes, options=options,
+                                 warmup=plan.perf_n // 5)
+            java["utilisation"] = sampler.summary(t0, time.time())
+        out["producer_perf"] = java
+        fetch = max(1 << 20, 2 * int(plan.producer.get("max_request_size", 0)))
+        out["consumer_perf"] = consumer_perf(broker.bootstrap_servers, topics[1],
+                                             records=plan.perf_n, fetch_bytes=fetch)
+        steady = java.get("steady", java)
+        self.log(f"  produce alone: aiokafka {res['msgs_per_s']:,.0f} msg/s; Kafka "
+                 f"ProducerPerformance {java['records_per_s']:,.0f} records/s (after its "
+                 f"warm-up {steady['records_per_s']:,.0f}/s, p99 {steady['p99_ms']:.0f} ms); "
+                 f"ConsumerPerformance {out['consumer_perf']['records_per_s']:,.0f} records/s")
         return out
 
     def _models_dir(self, plan: Plan) -> Path | None:
@@ -581,20 +715,40 @@ def estimate_s(plan: Plan, start_s: float) -> float:
     return runs * start_s + measured + 3 * plan.engine_s + 10
 
 
+def estimate_kafka_s(plan: Plan, profile: Profile, start_s: float) -> float:
+    """Rough seconds of :meth:`Bench.kafka_workload` (``start_s``: one worker start)."""
+    seconds = 6.0 + plan.transport_n / 20_000 + 3 * plan.perf_n / 40_000 + 8.0
+    if plan.workload in profile.kafka_product:
+        fresh = plan.fresh_per_level and plan.p99_level in plan.loads
+        seconds += (1 + fresh) * start_s + plan.sat_warmup_s + plan.sat_s + (
+            plan.ol_warmup_s + plan.ol_s + 2 if plan.p99_level in plan.loads else 0)
+    return seconds
+
+
 def run_profile(profile: Profile, out: Path, *, only: tuple[str, ...] = (),
                 backlog: bool | None = None, log: Log = print,
                 logs: Path | None = None, budget_s: float | None = None,
                 start_s: float = 8.0, scaleout: bool = True,
-                launcher: str = "own") -> dict[str, Any]:
-    """Run every plan of ``profile`` (or those named in ``only``), the backlog, then the
-    scale-out section (:mod:`bench.scaleout`, ``launcher`` starts its workers).
+                launcher: str = "own",
+                brokers: tuple[BrokerKind, ...] | None = None) -> dict[str, Any]:
+    """Run every plan of ``profile`` (or those named in ``only``) on the embedded broker, then
+    on Apache Kafka (:meth:`Bench.kafka_workload`), the backlog, then the scale-out section
+    (:mod:`bench.scaleout`, ``launcher`` starts its workers; embedded broker).
+
+    ``brokers`` (default ``profile.brokers``): ``embedded`` and/or ``kafka``; without
+    ``embedded`` only the Apache Kafka section runs. Where Java or the Kafka jars are missing
+    (the H200), the Kafka section is skipped with one line saying why.
 
     Worker, broker and forwarder logs go to ``logs`` (default ``out/logs``). With
     ``budget_s``, a plan whose estimate (:func:`estimate_s`) no longer fits is skipped and
     reported as such, so that a run under a hard time limit still ends with its report.
     """
+    from bench.kafka_tools import java_missing
+
+    brokers = profile.brokers if brokers is None else brokers
     bench = Bench(profile, out, log, logs)
     bench.results["env"] = environment()
+    bench.results["brokers"] = list(brokers)
     started = time.monotonic()
 
     def fits(name: str, estimate: float) -> bool:
@@ -605,9 +759,8 @@ def run_profile(profile: Profile, out: Path, *, only: tuple[str, ...] = (),
         bench.results.setdefault("skipped", []).append(name)
         return False
 
-    for plan in profile.plans:
-        if only and plan.workload not in only:
-            continue
+    plans = [p for p in profile.plans if not only or p.workload in only]
+    for plan in plans if "embedded" in brokers else ():
         if not fits(plan.workload, estimate_s(plan, start_s)):
             continue
         try:
@@ -616,6 +769,30 @@ def run_profile(profile: Profile, out: Path, *, only: tuple[str, ...] = (),
             log(f"  FAILED: {type(exc).__name__}: {exc}")
             bench.results["workloads"].setdefault(plan.workload, {})["error"] = (
                 f"{type(exc).__name__}: {exc}")
+    missing = java_missing() if "kafka" in brokers else None
+    if missing:
+        log(f"\n== Apache Kafka: SKIPPED ({missing}); the embedded broker's figures only")
+        bench.results["apache_kafka"] = {"skipped": missing}
+    elif "kafka" in brokers:
+        from bench.procs import BENCH_KAFKA_JVM_OPTS
+        from streamapp.kafka_server import JVM_OPTS_ENV, KAFKA_VERSION, broker_properties
+
+        bench.results["apache_kafka"] = {
+            "version": KAFKA_VERSION, "nodes": 1,
+            "jvm_opts": os.environ.get(JVM_OPTS_ENV) or BENCH_KAFKA_JVM_OPTS,
+            "properties": broker_properties(1), "workloads": {}}
+        for plan in plans:
+            if not fits(f"{plan.workload} on Apache Kafka",
+                        estimate_kafka_s(plan, profile, start_s)):
+                continue
+            try:
+                bench.kafka_workload(plan)
+            except Exception as exc:
+                log(f"  FAILED on Apache Kafka: {type(exc).__name__}: {exc}")
+                bench.results["apache_kafka"]["workloads"].setdefault(plan.workload, {})[
+                    "error"] = f"{type(exc).__name__}: {exc}"
+    if "embedded" not in brokers:
+        backlog, scaleout = False, False
     if ((profile.backlog_n if backlog is None else backlog) and profile.backlog_n
             and fits("backlog", profile.backlog_n / 50_000 + profile.backlog_s + start_s + 10)):
         try:

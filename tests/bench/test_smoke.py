@@ -1,6 +1,8 @@
 """``make bench-smoke`` end to end, so that the benchmark cannot rot: a real broker, the
 forwarder, workers, the load generator, the profile, the scale-out at N = 1 and 2, the report
-and the plots."""
+and the plots; then the Apache Kafka section (transport ceiling, Kafka's perf tools, the
+product). The suite's ``--broker`` option picks the benchmark's brokers: ``embedded`` drops
+the Kafka section, ``kafka`` keeps only it."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -17,14 +20,44 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 @pytest.mark.kafka
 @pytest.mark.timeout(600)
-def test_smoke_profile_measures_everything(tmp_path: Path) -> None:
+def test_smoke_profile_measures_everything(tmp_path: Path, request: pytest.FixtureRequest
+                                           ) -> None:
+    brokers = request.config.getoption("--broker")
     out = tmp_path / "smoke"
     proc = subprocess.run(
-        [sys.executable, "-m", "bench", "run", "--profile", "smoke", "--out", str(out)],
+        [sys.executable, "-m", "bench", "run", "--profile", "smoke", "--out", str(out),
+         "--broker", brokers],
         cwd=ROOT, capture_output=True, text=True, timeout=580,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads((out / "bench.json").read_text())
+    report = (out / "report.txt").read_text()
+    if brokers != "kafka":
+        _embedded_side(results, report, out)
+    if brokers != "embedded":
+        _kafka_side(results, report)
+
+
+def _kafka_side(results: dict[str, Any], report: str) -> None:
+    digits = results["apache_kafka"]["workloads"]["digits"]
+    assert digits["warmup"]["complete"]
+    assert digits["transport"]["complete"] and digits["transport"]["msgs_per_s"] > 1000
+    anchor = digits["anchor"]
+    assert anchor["producer_perf"]["records"] == anchor["records"] == 20_000
+    assert anchor["producer_perf"]["steady"]["records"] == 16_000
+    assert anchor["producer_perf"]["record_size"] == digits["payload_bytes"]
+    assert anchor["consumer_perf"]["records"] == 20_000
+    assert anchor["aiokafka_produce"]["send_failures"] == 0
+    saturation = digits["saturation"]
+    assert saturation["results_per_s"] > 0 and saturation["dead_letters_or_other"] == 0
+    assert saturation["settings"]["broker_kind"] == "kafka"
+    level = digits["open_loop"][0]
+    assert level["complete"] and level["p99_ms"] is not None and level["p99_ms"] > 0
+    assert "aiokafka ÷ ProducerPerformance = " in report
+    assert "Apache Kafka 4.4.0 beside the embedded broker" in report
+
+
+def _embedded_side(results: dict[str, Any], report: str, out: Path) -> None:
     digits = results["workloads"]["digits"]
 
     assert digits["engine"]["items_per_s"] > 1000
@@ -58,7 +91,6 @@ def test_smoke_profile_measures_everything(tmp_path: Path) -> None:
         points = series[f"digits {kind}"]["points"]
         assert [p["n"] for p in points] == [1, 2] and all(p["complete"] for p in points)
 
-    report = (out / "report.txt").read_text()
     assert "product / min(engine, transport)" in report.splitlines()[-1]
     assert "round trip p99" in report.splitlines()[-1]
     assert "dynamic / synchronous" in report
