@@ -387,15 +387,19 @@ def dlq_replay(
         raise _fail(str(exc)) from None
     except KafkaError as exc:
         raise _fail(_unreachable(settings.bootstrap_servers, exc)) from None
+    not_replayable = (
+        f"; {report.skipped} matching cannot be replayed (original value or key not kept, or "
+        f"an undecodable record batch)" if report.skipped else ""
+    )
     if dry_run:
         typer.echo(
-            f"dry run: would replay {report.matched} dead letters ({where.describe()}) to "
-            f"{report.request_topic}; nothing published"
+            f"dry run: would replay {report.matched - report.skipped} dead letters "
+            f"({where.describe()}) to {report.request_topic}; nothing published{not_replayable}"
         )
     else:
         typer.echo(
             f"replayed {report.replayed} dead letters ({where.describe()}) to "
-            f"{report.request_topic}"
+            f"{report.request_topic}{not_replayable}"
         )
 
 

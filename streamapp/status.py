@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 import urllib.error
@@ -360,8 +361,10 @@ def run_status(
     Returns:
         0 when every worker answered and is ready, 1 otherwise.
     """
-    # Output to a file or pipe: wide (rich would assume 80 columns and cut the tables)
-    console = console or Console(width=None if sys.stdout.isatty() else 200)
+    # Output to a file or pipe: wide (rich would assume 80 columns and cut the tables), unless
+    # COLUMNS says otherwise
+    wide = sys.stdout.isatty() or "COLUMNS" in os.environ  # a width the user chose is kept
+    console = console or Console(width=None if wide else 200)
     targets = discover(urls) if discover_peers else [u.rstrip("/") for u in urls]
 
     def gather() -> list[WorkerStatus]:

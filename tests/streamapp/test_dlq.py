@@ -342,6 +342,25 @@ async def test_replay_skips_letters_whose_value_was_left_out(topics: Settings) -
 
 
 @pytest.mark.kafka
+async def test_cli_dry_run_counts_only_what_can_be_replayed(
+    topics: Settings, runner: CliRunner
+) -> None:
+    whole = letter(1, "undecodable_record_batch", "cam-1", NOW)
+    batch = letter(2, "undecodable_record_batch", "cam-1", NOW)
+    batch.extra = {"record_batch": {"first_offset": 5, "last_offset": 8}}
+    await publish_letters(topics, [whole, batch])
+
+    dry = await asyncio.to_thread(
+        runner.invoke, cli, ["dlq", "replay", *_args(
+            topics, "--reason", "undecodable_record_batch", "--dry-run")]
+    )
+
+    assert dry.exit_code == 0, dry.output
+    assert "would replay 1 dead letters (reason=undecodable_record_batch)" in dry.stdout
+    assert "1 matching cannot be replayed" in dry.stdout
+
+
+@pytest.mark.kafka
 async def test_replay_with_null_keys_and_since(topics: Settings) -> None:
     letters = mixed_letters()
     await publish_letters(topics, letters)

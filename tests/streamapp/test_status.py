@@ -185,3 +185,16 @@ def test_an_80_column_terminal_gets_whole_headers_and_whole_errors() -> None:
         assert header in screen
     assert "123456" in screen and "…" not in screen
     assert "http://127.0.0.1:6068: <urlopen error [Errno 111] Connection refused>" in screen
+
+
+def test_piped_output_is_wide_unless_columns_is_set(
+    fake_worker: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.delenv("COLUMNS", raising=False)
+    run_status([fake_worker], interval_s=0.05)
+    wide = capsys.readouterr().out
+    monkeypatch.setenv("COLUMNS", "80")
+    run_status([fake_worker], interval_s=0.05)
+    narrow = capsys.readouterr().out
+    assert "retry/s" in wide and max(len(line) for line in wide.splitlines()) > 80
+    assert "retry/s" not in narrow and max(len(line) for line in narrow.splitlines()) <= 80
