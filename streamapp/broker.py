@@ -25,7 +25,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,7 +34,7 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import IO, Any
 
-from streamapp.children import free_port, popen_child, read_tail, terminate_group
+from streamapp.children import free_port, popen_child, port_taken, read_tail, terminate_group
 from streamapp.exceptions import BrokerError
 from streamapp.kafka import probe_metadata, run_sync
 
@@ -176,7 +175,7 @@ class EmbeddedBroker:
         if self.is_running():
             return self
         binary = _resolve_binary()
-        if self._requested_port is not None and not _port_is_free(self._host, self._requested_port):
+        if self._requested_port is not None and port_taken(self._host, self._requested_port):
             raise BrokerError(
                 f"Cannot start the embedded broker: port {self._requested_port} on {self._host} "
                 "is already in use. Stop whatever listens there, choose another port, or pass "
@@ -392,17 +391,6 @@ def _describe_exit(code: int | None) -> str:
         with contextlib.suppress(ValueError):
             return f"killed by {signal.Signals(-code).name}"
     return f"exit status {code}"
-
-
-def _port_is_free(host: str, port: int) -> bool:
-    """Whether Tansu could bind ``host:port`` now (it sets SO_REUSEADDR, so do we)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-    return True
 
 
 def _bind_failed(failure: str) -> bool:
