@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import faust
@@ -73,6 +74,8 @@ def faust_options(settings: Settings) -> dict[str, Any]:
         "broker_rebalance_timeout": settings.rebalance_timeout_s,
         "broker_request_timeout": settings.request_timeout_s,
         "producer_linger_ms": settings.producer_linger_ms,
+        "broker_max_poll_records": settings.max_poll_records,
+        "consumer_max_fetch_size": max(settings.max_fetch_bytes, 2 * settings.max_request_bytes),
         "producer_max_request_size": settings.max_produce_bytes,
         "stream_buffer_maxsize": settings.stream_buffer_maxsize,
         "topic_partitions": settings.topic_partitions,
@@ -163,7 +166,7 @@ def create_app(settings: Settings | None = None) -> faust.App:
     faust_side = FaustConsumer(app, conf)
     delivery = Delivery(faust_side, commit_interval_s=conf.commit_interval_ms / 1000.0)
     runtime = WorkerRuntime(conf, delivery, faust_side)
-    sink = FaustSink(outputs)
+    sink = FaustSink(outputs, app)
     state = build_state(app, conf, runtime)  # device tables and metrics
     install_views(app, state)  # /health /ready /engines /metrics /devices ...
     observers = state.observers
@@ -195,10 +198,18 @@ def create_app(settings: Settings | None = None) -> faust.App:
     async def on_revoked(app_: Any, revoked: set[Any], **kwargs: Any) -> None:
         await delivery.on_revoked({(tp.topic, tp.partition) for tp in revoked})
 
-    async def admitted(event: Any) -> list[SourceMessage]:
-        """The records to process for this event (more than one after a consumer gap)."""
-        m = event.message
-        return await delivery.admit(m.topic, m.partition, m.offset, m.key, m.value, event)
+    async def admitted(events: Sequence[Any]) -> list[SourceMessage]:
+        """The records to process for these events, in read order (more than one per event
+        after a consumer gap)."""
+        return await delivery.admit_many([
+            (m.topic, m.partition, m.offset, m.key, m.value, event)
+            for event in events for m in (event.message,)
+        ])
+
+    # Records reach the agents in chunks (Faust's take_events): at most ``max_batch_size``, or
+    # what arrived within ``intake_wait_ms``. Admission, decoding and queueing then run once
+    # per chunk instead of once per record (issue 17).
+    chunk, within = conf.max_batch_size, conf.intake_wait_ms / 1000.0
 
     @app.agent(request_topic, name="inference")
     async def inference(stream: faust.StreamT[bytes]) -> None:
@@ -206,9 +217,8 @@ def create_app(settings: Settings | None = None) -> faust.App:
         # result, retry record or dead letter (see streamapp.delivery).
         pipeline = await runtime.acquire(sink, retry_store, observers)
         try:
-            async for event in stream.noack().events():  # type: ignore[attr-defined]
-                for message in await admitted(event):
-                    await pipeline.handle(message)
+            async for events in stream.noack().take_events(chunk, within):  # type: ignore[attr-defined]
+                await pipeline.handle_many(await admitted(events))
         finally:
             await runtime.release()
 
@@ -216,8 +226,8 @@ def create_app(settings: Settings | None = None) -> faust.App:
     async def retry(stream: faust.StreamT[bytes]) -> None:
         await runtime.acquire(sink, retry_store, observers)
         try:
-            async for event in stream.noack().events():  # type: ignore[attr-defined]
-                for message in await admitted(event):
+            async for events in stream.noack().take_events(chunk, within):  # type: ignore[attr-defined]
+                for message in await admitted(events):
                     await runtime.schedule_retry(message, retry_store)
         finally:
             await runtime.release()

@@ -2,17 +2,27 @@
 
 A :class:`MicroBatcher` groups items by a batch key (model and input shape: batches never mix
 models). A batch closes when it holds ``max_batch_size`` items, or ``max_batch_delay_ms`` after
-its *first* item arrived (tumbling-window semantics), whichever comes first. Closed batches run
-concurrently up to ``max_inflight_batches``; meanwhile :meth:`MicroBatcher.put` keeps accepting
-items for the next batch, so assembly overlaps inference. When ``max_pending`` items are waiting
-(default: the in-flight batches plus one batch being assembled) :meth:`~MicroBatcher.put` waits:
-that is the backpressure that makes the Kafka consumer stop reading instead of buffering without
-limit.
+its *first* item arrived (tumbling-window semantics), whichever comes first — except that a batch
+whose delay has passed while every in-flight slot is busy keeps filling until a slot frees (it
+could not start earlier anyway): with a backlog, batches close full instead of on the delay.
+This is the dynamic batcher's rule in NVIDIA Triton (a batch is formed when the model instance
+becomes free, up to the preferred size); the delay only bounds how long an item waits for
+company while the engine is *idle*.
+
+Closed batches run concurrently up to ``max_inflight_batches``; meanwhile
+:meth:`MicroBatcher.put` keeps accepting items for the next batch, so assembly overlaps
+inference. When ``max_pending`` items are waiting (default: the in-flight batches plus one batch
+being assembled) :meth:`~MicroBatcher.reserve` (and :meth:`~MicroBatcher.put`) waits: that is
+the backpressure that makes the Kafka consumer stop reading instead of buffering without limit.
+Records arrive from Kafka in chunks, so the hot path reserves room once per chunk
+(:meth:`~MicroBatcher.reserve`) and puts each item without awaiting
+(:meth:`~MicroBatcher.put_nowait`, :meth:`~MicroBatcher.put_done_nowait`).
 
 Completions are emitted strictly in the order items were put, whatever order batches finish in;
 this is what keeps per-device order when a device's requests land in different batches. Items
 rejected before batching (bad input) are put with :meth:`~MicroBatcher.put_done` and keep their
-place in that order too.
+place in that order too. Every completion that is ready is handed to ``emit_many`` in one call,
+so the caller can produce them with one producer call per partition.
 
 Faust's ``stream.take()`` cannot be used for this: it stops filling its buffer while the body
 runs, so the next batch would only start assembling after the current one finished.
@@ -39,6 +49,8 @@ T = TypeVar("T")
 
 #: ``run_batch(key, items) -> one result per item`` (same order). Raising fails every item.
 RunBatch = Callable[[Hashable, list[T]], Awaitable[Sequence[Any]]]
+#: ``emit_many(completions)``: every completion ready to go, in put order.
+EmitMany = Callable[[list["Completion[T]"]], Awaitable[None]]
 
 
 @dataclass(frozen=True)
@@ -100,7 +112,7 @@ class _Slot(Generic[T]):
 
 
 class _Batch(Generic[T]):
-    __slots__ = ("closed", "deadline", "key", "opened_at", "slots", "timer")
+    __slots__ = ("closed", "deadline", "due", "key", "opened_at", "slots", "timer")
 
     def __init__(self, key: Hashable, opened_at: float, deadline: float) -> None:
         self.key = key
@@ -109,6 +121,8 @@ class _Batch(Generic[T]):
         self.slots: list[_Slot[T]] = []
         self.timer: asyncio.Task[None] | None = None
         self.closed = False
+        #: The delay passed while every in-flight slot was busy: close when a slot frees.
+        self.due = False
 
 
 class MicroBatcher(Generic[T]):
@@ -118,7 +132,12 @@ class MicroBatcher(Generic[T]):
         run_batch: ``async (key, items) -> results``, one result per item in order. An exception
             fails every item of the batch with that exception.
         emit: ``async (completion) -> None``, called once per item, strictly in put order, never
-            concurrently. An exception from it is logged and the item counts as emitted.
+            concurrently. An exception from it is logged and the item counts as emitted. None
+            when ``emit_many`` is given.
+        emit_many: ``async (completions) -> None``: instead of ``emit``, every completion that
+            is ready (a run of done items at the head of the put order) in one call, in put
+            order, never concurrently. An exception from it is logged and the items count as
+            emitted.
         max_batch_size: A batch closes when it has this many items (>= 1).
         max_batch_delay_ms: A batch closes this long after its first item (>= 0; 0 = no wait
             beyond the items already queued).
@@ -135,8 +154,9 @@ class MicroBatcher(Generic[T]):
     def __init__(
         self,
         run_batch: RunBatch[T],
-        emit: Callable[[Completion[T]], Awaitable[None]],
+        emit: Callable[[Completion[T]], Awaitable[None]] | None = None,
         *,
+        emit_many: EmitMany[T] | None = None,
         max_batch_size: int,
         max_batch_delay_ms: float,
         max_inflight_batches: int,
@@ -157,8 +177,10 @@ class MicroBatcher(Generic[T]):
                 f"max_pending ({max_pending}) must be >= max_batch_size ({max_batch_size}), "
                 "or no batch could ever fill"
             )
+        if (emit is None) == (emit_many is None):
+            raise ValueError("give exactly one of emit and emit_many")
         self._run_batch = run_batch
-        self._emit = emit
+        self._emit_many: EmitMany[T] = emit_many or self._one_by_one(emit)  # type: ignore[arg-type]
         self.max_batch_size = max_batch_size
         self.max_batch_delay_s = max_batch_delay_ms / 1000.0
         self.max_inflight_batches = max_inflight_batches
@@ -168,8 +190,11 @@ class MicroBatcher(Generic[T]):
 
         self._order: deque[_Slot[T]] = deque()
         self._open: dict[Hashable, _Batch[T]] = {}
-        self._capacity = asyncio.Semaphore(max_pending)
+        self._room = asyncio.Event()
+        self._room.set()
         self._inflight_slots = asyncio.Semaphore(max_inflight_batches)
+        #: Set (and replaced) whenever an in-flight slot frees: wakes batches that are due.
+        self._slot_freed = asyncio.Event()
         self._ready: asyncio.Queue[tuple[_Batch[T], str, float]] = asyncio.Queue()
         self._progress = asyncio.Event()
         self._drained = asyncio.Event()
@@ -178,6 +203,7 @@ class MicroBatcher(Generic[T]):
         self._emitter: asyncio.Task[None] | None = None
         self._ids = itertools.count()
         self._inflight = 0
+        self._dispatching = 0
         self._stopping = False
         self.stats = BatcherStats()
 
@@ -216,6 +242,17 @@ class MicroBatcher(Generic[T]):
         """Batches running now."""
         return self._inflight
 
+    async def reserve(self) -> None:
+        """Wait until fewer than ``max_pending`` items are pending (backpressure).
+
+        The items put right after (with :meth:`put_nowait` / :meth:`put_done_nowait`, without
+        awaiting in between) may take the pending count past ``max_pending`` by the size of
+        that chunk: the bound is ``max_pending`` plus one chunk of records read together.
+        """
+        while len(self._order) >= self.max_pending:
+            self._room.clear()
+            await self._room.wait()
+
     async def put(self, item: T, key: Hashable = None) -> None:
         """Add an item to the open batch for ``key`` (waits while ``max_pending`` are pending).
 
@@ -223,7 +260,11 @@ class MicroBatcher(Generic[T]):
             item: Anything; handed to ``run_batch`` and back in its :class:`Completion`.
             key: Batch key: items with different keys never share a batch.
         """
-        await self._capacity.acquire()
+        await self.reserve()
+        self.put_nowait(item, key)
+
+    def put_nowait(self, item: T, key: Hashable = None) -> None:
+        """:meth:`put` without waiting for room: call :meth:`reserve` first."""
         now = self._clock()
         slot: _Slot[T] = _Slot(Completion(item, put_at=now), done=False)
         self._order.append(slot)
@@ -240,7 +281,11 @@ class MicroBatcher(Generic[T]):
 
     async def put_done(self, item: T, error: BaseException | None, result: Any = None) -> None:
         """Add an item that needs no batch (e.g. rejected input); it is emitted in put order."""
-        await self._capacity.acquire()
+        await self.reserve()
+        self.put_done_nowait(item, error, result)
+
+    def put_done_nowait(self, item: T, error: BaseException | None, result: Any = None) -> None:
+        """:meth:`put_done` without waiting for room: call :meth:`reserve` first."""
         completion = Completion(item, result=result, error=error, put_at=self._clock())
         self._order.append(_Slot(completion, done=True))
         self._note_pending()
@@ -270,8 +315,16 @@ class MicroBatcher(Generic[T]):
         delay = batch.deadline - self._clock()
         if delay > 0:
             await self._sleep(delay)
+        # Every slot busy (running, or claimed by a closed batch waiting for one): this batch
+        # could not start now anyway, so it keeps filling until a slot frees (or it is full).
+        while not batch.closed and self._busy_slots() >= self.max_inflight_batches:
+            batch.due = True
+            await self._slot_freed.wait()
         if not batch.closed:
             self._close(batch, "delay")
+
+    def _busy_slots(self) -> int:
+        return self._inflight + self._ready.qsize() + self._dispatching
 
     def _close(self, batch: _Batch[T], reason: str) -> None:
         if batch.closed:
@@ -286,7 +339,11 @@ class MicroBatcher(Generic[T]):
     async def _dispatch_loop(self) -> None:
         while True:
             batch, reason, closed_at = await self._ready.get()
-            await self._inflight_slots.acquire()
+            self._dispatching = 1  # still claims a slot between the queue and the semaphore
+            try:
+                await self._inflight_slots.acquire()
+            finally:
+                self._dispatching = 0
             task = asyncio.create_task(self._run(batch, reason, closed_at))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -313,6 +370,8 @@ class MicroBatcher(Generic[T]):
         finally:
             self._inflight -= 1
             self._inflight_slots.release()
+            freed, self._slot_freed = self._slot_freed, asyncio.Event()
+            freed.set()
         info = BatchInfo(
             batch_id, len(items), reason, batch.opened_at, closed_at, started_at, self._clock()
         )
@@ -338,12 +397,31 @@ class MicroBatcher(Generic[T]):
                     self._drained.set()
                 await self._progress.wait()
                 self._progress.clear()
-            slot = order.popleft()
+            ready: list[Completion[T]] = []
+            while order and order[0].done:
+                ready.append(order.popleft().completion)
             try:
-                await self._emit(slot.completion)
+                await self._emit_many(ready)
             except asyncio.CancelledError:
                 raise
             except Exception:
-                log.exception("emit failed for %r", slot.completion.item)
+                log.exception("emit failed for %d item(s), the first %r", len(ready),
+                              ready[0].item)
             finally:
-                self._capacity.release()
+                if len(order) < self.max_pending:
+                    self._room.set()
+
+    @staticmethod
+    def _one_by_one(emit: Callable[[Completion[T]], Awaitable[None]]) -> EmitMany[T]:
+        """``emit_many`` over a per-item ``emit`` (an exception fails only its own item)."""
+
+        async def emit_many(completions: list[Completion[T]]) -> None:
+            for completion in completions:
+                try:
+                    await emit(completion)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    log.exception("emit failed for %r", completion.item)
+
+        return emit_many

@@ -25,7 +25,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -123,12 +123,14 @@ class Delivery:
         self._positions: dict[TP, int] = {}
         self._process: Callable[[SourceMessage], Awaitable[None]] | None = None
         self._busy: Callable[[], bool] = lambda: False
+        self._flush: Callable[[], Awaitable[None]] | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
     # -- lifecycle --------------------------------------------------------------------------------
 
     def start(
-        self, process: Callable[[SourceMessage], Awaitable[None]], busy: Callable[[], bool]
+        self, process: Callable[[SourceMessage], Awaitable[None]], busy: Callable[[], bool],
+        flush: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         """Start the commit loop and the gap sweeper.
 
@@ -136,8 +138,11 @@ class Delivery:
             process: How records recovered by :meth:`sweep_gaps` are processed.
             busy: True while the pipeline applies backpressure (records may then wait in the
                 consumer's buffers, so the sweeper must not read them).
+            flush: Finishes every record whose outcome the broker has (the pipeline's state
+                flush); awaited before the commit on revocation, so that a partition's next
+                owner does not process them again.
         """
-        self._process, self._busy = process, busy
+        self._process, self._busy, self._flush = process, busy, flush
         self._last_admit_at = time.monotonic()
         self._tasks = [
             asyncio.create_task(self._commit_loop(), name="commits"),
@@ -195,6 +200,33 @@ class Delivery:
                     self._message(state, topic, partition, offset, key, value, event)
                 )
             return admitted
+
+    async def admit_many(
+        self, records: Sequence[tuple[str, int, int, bytes | None, bytes | None, Any]]
+    ) -> list[SourceMessage]:
+        """:meth:`admit` for records read together: ``(topic, partition, offset, key, value,
+        event)`` each, in read order. A partition's next record is accepted without awaiting.
+
+        Returns:
+            The records to process now, in read order (see :meth:`admit`).
+        """
+        admitted: list[SourceMessage] = []
+        assigned, locks, tracker = self._assigned, self._tp_locks, self.tracker
+        for topic, partition, offset, key, value, event in records:
+            tp = (topic, partition)
+            if assigned is not None and tp not in assigned:
+                continue  # revoked meanwhile: its new owner processes it (see admit)
+            lock = locks.get(tp)
+            if lock is None or not lock.locked():
+                state = tracker.try_accept(tp, offset)
+                if state is not None:
+                    admitted.append(
+                        self._message(state, topic, partition, offset, key, value, event)
+                    )
+                    continue
+            admitted += await self.admit(topic, partition, offset, key, value, event)
+        self._last_admit_at = time.monotonic()
+        return admitted
 
     @staticmethod
     def _message(
@@ -348,5 +380,10 @@ class Delivery:
         self._last_rebalance_at = time.monotonic()
         if self._assigned is not None:
             self._assigned -= revoked
+        if self._flush is not None:
+            try:
+                await self._flush()
+            except Exception:
+                log.exception("finishing records before the revocation's commit failed")
         await self.commit_now(only=revoked)
         self.tracker.forget(revoked)

@@ -102,7 +102,9 @@ class WorkerRuntime:
                 self._scheduler = DelayScheduler(pipeline.handle)
                 self._scheduler.start()
                 self.pipeline = pipeline
-                self.delivery.start(self.process_recovered, self._backpressured)
+                self.delivery.start(
+                    self.process_recovered, self._backpressured, pipeline.flush_state
+                )
                 self.ready = True
             return self.pipeline
 
@@ -169,6 +171,8 @@ class WorkerRuntime:
                 await asyncio.wait_for(self._host.flush(), DRAIN_TIMEOUT_S)
         except (TimeoutError, RuntimeError) as exc:
             log.warning("stopping with requests in flight (%s); they will be redelivered", exc)
+        # device state of everything answered, and the acks it held back (before the commit)
+        await pipeline.flush_state()
 
     # -- retries ----------------------------------------------------------------------------------
 

@@ -115,6 +115,22 @@ class Settings(BaseSettings):
         "without a rebalance. Empty: dynamic membership.",
     )
     producer_linger_ms: float = Field(1.0, ge=0, description="Producer batching delay.")
+    intake_wait_ms: float = Field(
+        2.0, gt=0,
+        description="Longest the agents wait for more records before handling what they read "
+        "(ms; Faust's take_events). Records are admitted, decoded and queued in chunks of up to "
+        "max_batch_size; at light load this adds at most this much latency.",
+    )
+    max_poll_records: int = Field(
+        5000, ge=1,
+        description="Most records one fetch hands the worker (Faust's broker_max_poll_records; "
+        "Faust's default of 1,000 halved a batched agent's rate in issue 17's measurements).",
+    )
+    max_fetch_bytes: int = Field(
+        4 * 1024 * 1024, ge=65536,
+        description="Most bytes one fetch returns per partition (Faust's "
+        "consumer_max_fetch_size; 4 MiB).",
+    )
     stream_buffer_maxsize: int = Field(
         4096, ge=1, description="Messages Faust buffers per partition before pausing fetches."
     )
@@ -190,6 +206,14 @@ class Settings(BaseSettings):
         50.0, gt=0,
         description="How often finished source offsets are committed (ms); a crash re-delivers "
         "at most what finished within one interval plus what was in flight.",
+    )
+    state_flush_interval_ms: float = Field(
+        500.0, ge=0,
+        description="How often device state (device_stats, window buckets) is written to its "
+        "tables (ms): one row per device and table per flush, whatever the rate. A request "
+        "offset is committed only after the flush that follows its outcome, so a crash "
+        "re-delivers at most what finished within one interval plus what was in flight. 0 "
+        "writes after every group of outcomes produced (the most changelog records).",
     )
     max_retries: int = Field(
         3, ge=0, description="Retries of a transient failure before the request goes to the DLQ."

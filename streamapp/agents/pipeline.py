@@ -22,6 +22,7 @@ can duplicate but never lose a request.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 import math
@@ -62,8 +63,11 @@ from streamapp.record_batches import UndecodableBatchError, take_undecodable
 from streamapp.records import DeadLetter, InferenceRequest, InferenceResult
 from streamapp.retry import MemoryRetryStore, RetryRecord, RetryStore, backoff_s
 from streamapp.settings import Settings
+from streamapp.tasks import cancel_and_wait
 
-__all__ = ["InferencePipeline", "LoadedModel", "PipelineStats", "Sink", "SourceMessage"]
+__all__ = [
+    "BatchSink", "InferencePipeline", "LoadedModel", "PipelineStats", "Sink", "SourceMessage",
+]
 
 #: Errors that mean *this record* cannot be encoded or produced, whatever the producer's state.
 _RECORD_ERRORS: tuple[type[BaseException], ...] = (
@@ -134,9 +138,38 @@ class SourceMessage:
 
 class Sink(Protocol):
     """Where outcomes go: ``send`` hands a record to the producer and returns an awaitable that
-    resolves once the broker acknowledged it (Faust's ``FutureMessage``, an asyncio future)."""
+    resolves once the broker acknowledged it (Faust's ``FutureMessage``, an asyncio future).
+
+    A sink may also have ``send_many(records)`` (see :class:`BatchSink`): the pipeline then
+    hands it every outcome that is ready at once.
+    """
 
     async def send(self, topic: str, key: bytes | None, value: bytes) -> Awaitable[Any]: ...
+
+
+class BatchSink(Sink, Protocol):
+    """A sink that produces many records with one producer call per partition."""
+
+    async def send_many(
+        self, records: Sequence[tuple[str, bytes | None, bytes]]
+    ) -> list[Awaitable[Any] | BaseException]:
+        """Hand ``(topic, key, value)`` records to the producer, each partition's in the given
+        order.
+
+        Returns:
+            Per record, in the given order: an awaitable that resolves once the broker
+            acknowledged it (records sent in one record batch share it), or the exception that
+            kept this record from being handed to the producer (e.g. a record error).
+
+        Raises:
+            Exception: The producer failed for every record (e.g. it is stopping).
+        """
+        ...
+
+
+#: One outcome record ready to produce: the work it answers, topic, key, value, its outcome
+#: and the batch the work ran in.
+_Outgoing = tuple["_Work", str, "bytes | None", bytes, Outcome, "BatchInfo | None"]
 
 
 @dataclass
@@ -229,9 +262,17 @@ class InferencePipeline:
                          "on the GPU" if why_not is None else f"on the CPU ({why_not})")
         #: Small dead letters being produced for records the broker refused (see _after_send).
         self._replacing: set[asyncio.Future[None]] = set()
+        #: Acks of records whose outcome the broker has, held until the next state flush (so
+        #: that a committed offset is never ahead of the device state its outcome updates).
+        self._held_acks: list[Callable[[], Any]] = []
+        self._flush_interval_s = float(getattr(settings, "state_flush_interval_ms", 0.0)) / 1e3
+        self._hold_acks = self._flush_interval_s > 0 and any(
+            getattr(o, "writes_state", False) for o in self.observers
+        )
+        self._flusher: asyncio.Task[None] | None = None
         self.batcher: MicroBatcher[_Work] = MicroBatcher(
             self._run_batch,
-            self._emit,
+            emit_many=self._emit_many,
             max_batch_size=settings.max_batch_size,
             max_batch_delay_ms=settings.max_batch_delay_ms,
             max_inflight_batches=settings.max_inflight_batches,
@@ -239,42 +280,77 @@ class InferencePipeline:
 
     async def start(self) -> None:
         await self.batcher.start()
+        if self._flusher is None and self._flush_interval_s > 0:
+            self._flusher = asyncio.create_task(self._flush_loop(), name="state-flush")
 
     async def stop(self, *, drain: bool = True) -> None:
         """Stop; with ``drain`` every record read so far is answered (and acked) first."""
         await self.batcher.stop(drain=drain)
+        await cancel_and_wait(self._flusher)
+        self._flusher = None
+        await self.flush_state()
         self.images.close()
+
+    async def flush_state(self) -> None:
+        """Write the device state of every outcome produced so far (observers' ``flush``: one
+        row per device and table since the last flush), then acknowledge the records whose
+        outcome the broker has. Runs every ``state_flush_interval_ms``, and before commits on
+        revocation and shutdown."""
+        acks, self._held_acks = self._held_acks, []
+        for observer in self.observers:
+            try:
+                await observer.flush()
+            except Exception:
+                log.exception("observer %r failed to flush", observer)
+        for ack in acks:
+            ack()
+        self.stats.acked += len(acks)
+
+    async def _flush_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._flush_interval_s)
+            await self.flush_state()
 
     # -- input ----------------------------------------------------------------------------------
 
     async def handle(self, message: SourceMessage) -> None:
-        """Accept one record. Waits when too much is in flight (backpressure). Never raises for
-        bad input: it becomes a dead letter."""
-        self.stats.received += 1
-        work = _Work(message)
-        undecodable = self._undecodable(message)
-        if undecodable is not None:
-            await self.batcher.put_done(work, undecodable)
+        """Accept one record (see :meth:`handle_many`)."""
+        await self.handle_many((message,))
+
+    async def handle_many(self, messages: Sequence[SourceMessage]) -> None:
+        """Accept records read together, in read order. Waits once, before the first, while too
+        much is in flight (backpressure); then decodes and queues them all without awaiting.
+        Never raises for bad input: it becomes a dead letter."""
+        if not messages:
             return
-        try:
-            work.request = decode_request(
-                message.value, max_request_bytes=self.settings.max_request_bytes
-            )
-            check_key(message.key, work.request)
-            work.model = self._model(work.request.model)
-            if work.request.tensor is None and work.request.image is not None:
-                # Never decoded on the event loop: the batch awaits the result.
-                work.pending = self.images.submit(work.model.config, work.request)
-            else:
-                work.array = work.model.config.preprocess(work.request)
-        except InvalidRequestError as exc:
-            await self.batcher.put_done(work, exc)
-            return
-        except Exception as exc:  # a bug of ours must not stop the partition: DLQ it, log it
-            log.exception("internal error while decoding %s", message)
-            await self.batcher.put_done(work, InternalError(f"{type(exc).__name__}: {exc}"))
-            return
-        await self.batcher.put(work, key=work.request.model)
+        batcher = self.batcher
+        await batcher.reserve()
+        for message in messages:
+            self.stats.received += 1
+            work = _Work(message)
+            undecodable = self._undecodable(message)
+            if undecodable is not None:
+                batcher.put_done_nowait(work, undecodable)
+                continue
+            try:
+                request = work.request = decode_request(
+                    message.value, max_request_bytes=self.settings.max_request_bytes
+                )
+                check_key(message.key, request)
+                model = work.model = self._model(request.model)
+                if request.tensor is None and request.image is not None:
+                    # Never decoded on the event loop: the batch awaits the result.
+                    work.pending = self.images.submit(model.config, request)
+                else:
+                    work.array = model.config.preprocess(request)
+            except InvalidRequestError as exc:
+                batcher.put_done_nowait(work, exc)
+                continue
+            except Exception as exc:  # a bug of ours must not stop the partition: DLQ it, log it
+                log.exception("internal error while decoding %s", message)
+                batcher.put_done_nowait(work, InternalError(f"{type(exc).__name__}: {exc}"))
+                continue
+            batcher.put_nowait(work, key=request.model)
 
     async def reject(self, message: SourceMessage, error: InvalidRequestError) -> None:
         """Send a record that cannot be processed at all straight to the DLQ, in read order."""
@@ -377,14 +453,66 @@ class InferencePipeline:
 
     # -- output ---------------------------------------------------------------------------------
 
-    async def _emit(self, completion: Completion[_Work]) -> None:
+    async def _emit_many(self, completions: list[Completion[_Work]]) -> None:
+        """Produce the outcomes of ``completions`` (in read order): one producer call per
+        partition when the sink has ``send_many``, else one ``send`` per record."""
+        outgoing: list[_Outgoing] = []
+        for completion in completions:
+            prepared = self._prepare(completion)
+            if prepared is None:  # nothing can be produced for it: finished without a record
+                work = completion.item
+                self._finish_unwritable(work, work.source.retry)
+            else:
+                outgoing.append(prepared)
+        if not outgoing:
+            return
+        send_many = getattr(self.sink, "send_many", None)
+        if send_many is None:
+            for entry in outgoing:
+                await self._emit_alone(entry)
+            if self._flush_interval_s <= 0:
+                await self.flush_state()
+            return
+        try:
+            handed = await send_many([(e[1], e[2], e[3]) for e in outgoing])
+        except Exception as exc:
+            # The producer itself failed (e.g. stopping): the records stay uncommitted and are
+            # processed again by whoever reads their partitions next. Nothing is dead-lettered.
+            self.stats.produce_failures += len(outgoing)
+            log.error("cannot produce %d outcome(s), the first for %s (%s: %s); they will be "
+                      "processed again", len(outgoing), outgoing[0][0].source,
+                      type(exc).__name__, exc)
+            return
+        by_future: dict[int, tuple[Any, list[_Outgoing]]] = {}
+        for entry, result in zip(outgoing, handed, strict=True):
+            if isinstance(result, BaseException):
+                if _record_error(result) is None:
+                    self.stats.produce_failures += 1
+                    log.error("cannot produce to %s for %s (%s: %s); it will be processed "
+                              "again", entry[1], entry[0].source, type(result).__name__, result)
+                else:  # this record cannot be produced: the one-record path replaces it
+                    await self._emit_alone(entry)
+                continue
+            self._sent(entry)
+            group = by_future.get(id(result))
+            if group is None:
+                by_future[id(result)] = (result, [entry])
+            else:
+                group[1].append(entry)
+        for future, entries in by_future.values():
+            future.add_done_callback(functools.partial(self._on_produced_many, entries))
+        if self._flush_interval_s <= 0:
+            await self.flush_state()  # no interval: device state after every emit
+
+    def _prepare(self, completion: Completion[_Work]) -> _Outgoing | None:
+        """The outcome record of a completion, already replaced by a small
+        ``unproducible_outcome`` dead letter when it would be larger than
+        :meth:`max_record_bytes`; None when not even that can be produced."""
         work = completion.item
-        source = work.source
         item: _ItemResult | None = completion.result
         error = completion.error
         if error is None and item is not None:
             error = item.error
-        retry = source.retry
         try:
             if error is None:
                 assert item is not None
@@ -395,6 +523,39 @@ class InferencePipeline:
                 topic, key, value, outcome = self._dead_letter(work, error)
         except _RECORD_ERRORS as exc:  # the outcome cannot be encoded (e.g. msgpack overflow)
             topic, key, value, outcome = self._unproducible(work, "outcome", b"", exc)
+        problem = self._oversize(key, value)
+        if problem is not None:
+            if outcome.reason == "unproducible_outcome":
+                log.error("cannot produce even the small dead letter of %s (%s: %s)",
+                          work.source, type(problem).__name__, problem)
+                return None
+            topic, key, value, outcome = self._unproducible(work, topic, value, problem)
+            if self._oversize(key, value) is not None:
+                log.error("cannot produce even the small dead letter of %s", work.source)
+                return None
+        return work, topic, key, value, outcome, completion.batch
+
+    def _sent(self, entry: _Outgoing) -> None:
+        """An outcome was handed to the producer: finish its retry counter, tell observers."""
+        work, _, _, _, outcome, batch = entry
+        retry = work.source.retry
+        if retry is not None and outcome.kind != "retry":
+            self.retry_store.finish(retry.request_id, work.source.event)  # the request is done
+        for observer in self.observers:
+            if batch is not None and batch.batch_id not in self._emitted_in_batch:
+                observer.on_batch(work.request.model if work.request else "", batch)
+            observer.on_outcome(outcome)
+        if batch is not None:
+            done = self._emitted_in_batch.get(batch.batch_id, 0) + 1
+            if done < batch.size:
+                self._emitted_in_batch[batch.batch_id] = done
+            else:
+                self._emitted_in_batch.pop(batch.batch_id, None)
+
+    async def _emit_alone(self, entry: _Outgoing) -> None:
+        """Produce one outcome through ``sink.send`` (the path that replaces a record the
+        producer refuses by a small dead letter)."""
+        work, topic, key, value, outcome, batch = entry
         try:
             sent = await self._send(work, topic, key, value, outcome)
         except Exception as exc:
@@ -402,35 +563,62 @@ class InferencePipeline:
             # processed again by whoever reads its partition next. Nothing is dead-lettered.
             self.stats.produce_failures += 1
             log.error("cannot produce to %s for %s (%s: %s); it will be processed again",
-                      topic, source, type(exc).__name__, exc)
+                      topic, work.source, type(exc).__name__, exc)
             return
         if sent is None:  # nothing can be produced for it: finished without an outcome record
-            self._finish_unwritable(work, retry)
-            await self._maybe_flush(completion.batch)
+            self._finish_unwritable(work, work.source.retry)
             return
         ack_future, topic, outcome = sent
-        if retry is not None and outcome.kind != "retry":
-            self.retry_store.finish(retry.request_id, source.event)  # the request is finished
+        self._sent((work, topic, key, value, outcome, batch))
         self._after_send(ack_future, topic, work, outcome)
-        for observer in self.observers:
-            if completion.batch is not None and completion.batch.batch_id not in \
-                    self._emitted_in_batch:
-                observer.on_batch(work.request.model if work.request else "", completion.batch)
-            observer.on_outcome(outcome)
-        await self._maybe_flush(completion.batch)
 
-    async def _maybe_flush(self, batch: BatchInfo | None) -> None:
-        if batch is not None:
-            done = self._emitted_in_batch.get(batch.batch_id, 0) + 1
-            if done < batch.size:
-                self._emitted_in_batch[batch.batch_id] = done
-                return
-            self._emitted_in_batch.pop(batch.batch_id, None)
-        for observer in self.observers:
-            try:
-                await observer.flush()
-            except Exception:
-                log.exception("observer %r failed to flush", observer)
+    def _on_produced_many(self, entries: list[_Outgoing], fut: Any) -> None:
+        """The broker answered for a record batch of outcomes."""
+        error = None if fut.cancelled() else fut.exception()
+        if error is None:
+            for entry in entries:
+                self._ack(entry[0].source)
+            return
+        if _record_error(error) is not None:
+            # Refused for good (e.g. larger than the topic's max.message.bytes): each record
+            # again on its own, where a refused one is replaced by a small dead letter.
+            for work, topic, key, value, outcome, _ in entries:
+                task = asyncio.ensure_future(self._resend_alone(work, topic, key, value, outcome))
+                self._replacing.add(task)
+                task.add_done_callback(self._replacing.discard)
+            return
+        self.stats.produce_failures += len(entries)
+        first = entries[0][0].source
+        log.error(
+            "producing %d record(s) to %s for %s[%d]@%d... failed (%s): they stay uncommitted "
+            "and are processed again after a restart", len(entries), entries[0][1],
+            first.topic, first.partition, first.offset,
+            "cancelled" if fut.cancelled() else error,
+        )
+
+    async def _resend_alone(
+        self, work: _Work, topic: str, key: bytes | None, value: bytes, outcome: Outcome
+    ) -> None:
+        try:
+            sent = await self._send(work, topic, key, value, outcome)
+        except Exception as exc:
+            self.stats.produce_failures += 1
+            log.error("cannot produce to %s for %s (%s: %s); it will be processed again",
+                      topic, work.source, type(exc).__name__, exc)
+            return
+        if sent is None:
+            self._finish_unwritable(work, work.source.retry)
+            return
+        self._after_send(sent[0], sent[1], work, sent[2])
+
+    def _ack(self, source: SourceMessage) -> None:
+        """The broker has the outcome of ``source``: finish it now, or at the next state flush
+        when an observer writes device state."""
+        if self._hold_acks:
+            self._held_acks.append(source.ack)
+            return
+        source.ack()
+        self.stats.acked += 1
 
     def max_record_bytes(self) -> int:
         """The largest record this worker produces: ``max_produce_bytes`` (the producer's
@@ -519,8 +707,7 @@ class InferencePipeline:
                     "cancelled" if fut.cancelled() else error,
                 )
                 return
-            source.ack()
-            self.stats.acked += 1
+            self._ack(source)
 
         add_done_callback = getattr(ack_future, "add_done_callback", None)
         if add_done_callback is None:

@@ -70,6 +70,9 @@ class DeviceStateObserver:
         clock: Epoch seconds (tests pass a fake).
     """
 
+    #: Commits wait for this observer's flush (see ``InferencePipeline.flush_state``).
+    writes_state = True
+
     def __init__(
         self,
         tables: DeviceTables,

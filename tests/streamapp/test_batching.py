@@ -217,3 +217,99 @@ def test_rejects_bad_limits(kwargs: dict[str, Any], message: str) -> None:
     rec, clock = Recorder(), FakeClock()
     with pytest.raises(ValueError, match=message):
         make(rec, clock, **kwargs)
+
+
+async def test_a_due_batch_keeps_filling_while_every_slot_is_busy() -> None:
+    rec, clock = Recorder(), FakeClock()
+    rec.gated = True
+    async with make(rec, clock, max_batch_size=4, max_batch_delay_ms=50,
+                    max_inflight_batches=1) as batcher:
+        for i in range(4):
+            await batcher.put(i)  # closes full and runs: the only slot is busy
+        await wait_for(lambda: len(rec.batches) == 1)
+        await batcher.put(4)
+        clock.advance(0.060)  # the delay of the batch holding 4 passes
+        await settle()
+        assert len(rec.batches) == 1  # no slot: it keeps filling instead of closing with 1
+        await batcher.put(5)
+        await batcher.put(6)
+        rec.release(0)  # the slot frees: the due batch closes with what it has
+        await wait_for(lambda: len(rec.batches) == 2)
+        assert rec.batches[1] == (None, [4, 5, 6])
+        rec.release(1)
+        await wait_for(lambda: len(rec.emitted) == 7)
+        assert rec.emitted[4].batch is not None and rec.emitted[4].batch.closed_by == "delay"
+
+
+async def test_a_due_batch_that_fills_while_slots_are_busy_closes_by_size() -> None:
+    rec, clock = Recorder(), FakeClock()
+    rec.gated = True
+    async with make(rec, clock, max_batch_size=3, max_batch_delay_ms=50,
+                    max_inflight_batches=1) as batcher:
+        for i in range(3):
+            await batcher.put(i)
+        await wait_for(lambda: len(rec.batches) == 1)
+        await batcher.put(3)
+        clock.advance(0.100)
+        await settle()
+        await batcher.put(4)
+        await batcher.put(5)
+        rec.release(0)
+        await wait_for(lambda: len(rec.batches) == 2)
+        assert rec.batches[1] == (None, [3, 4, 5])
+        rec.release(1)
+        await wait_for(lambda: len(rec.emitted) == 6)
+        assert batcher.stats.closed_by_size == 2 and batcher.stats.closed_by_delay == 0
+
+
+async def test_emit_many_gets_every_ready_completion_in_put_order() -> None:
+    rec, clock = Recorder(), FakeClock()
+    rec.gated = True
+    calls: list[list[Any]] = []
+
+    async def emit_many(completions: list[Completion[Any]]) -> None:
+        calls.append([c.item for c in completions])
+
+    batcher = MicroBatcher(rec.run_batch, emit_many=emit_many, max_batch_size=2,
+                           max_batch_delay_ms=50, max_inflight_batches=2, clock=clock,
+                           sleep=clock.sleep)
+    async with batcher:
+        batcher.put_nowait(0)
+        batcher.put_nowait(1)
+        batcher.put_done_nowait("bad", ValueError("bad input"))
+        batcher.put_nowait(2)
+        batcher.put_nowait(3)
+        await wait_for(lambda: len(rec.batches) == 2)
+        rec.release(1)
+        await settle()
+        assert calls == []  # items 0 and 1 still run: nothing may overtake them
+        rec.release(0)
+        await wait_for(lambda: sum(map(len, calls)) == 5)
+    assert calls == [[0, 1, "bad", 2, 3]]
+
+
+async def test_reserve_waits_for_room_and_lets_one_chunk_through() -> None:
+    rec, clock = Recorder(), FakeClock()
+    rec.gated = True
+    async with make(rec, clock, max_batch_size=2, max_inflight_batches=1) as batcher:
+        assert batcher.max_pending == 4
+        await batcher.reserve()
+        for i in range(5):  # one chunk of records read together may pass the bound
+            batcher.put_nowait(i)
+        assert batcher.pending == 5
+        waiting = asyncio.create_task(batcher.reserve())
+        await settle()
+        assert not waiting.done()
+        rec.release(0)
+        rec.release(1)
+        await wait_for(waiting.done)
+        assert batcher.pending < batcher.max_pending
+        rec.release(2)
+        clock.advance(1.0)
+
+
+def test_exactly_one_of_emit_and_emit_many() -> None:
+    rec = Recorder()
+    with pytest.raises(ValueError, match="exactly one"):
+        MicroBatcher(rec.run_batch, max_batch_size=1, max_batch_delay_ms=0,
+                     max_inflight_batches=1)
