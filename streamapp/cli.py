@@ -13,7 +13,7 @@ import typer
 from aiokafka.errors import KafkaError
 
 from engines.exceptions import EngineError
-from streamapp.exceptions import StreamAppError
+from streamapp.exceptions import ConfigError, StreamAppError
 
 __all__ = ["cli", "main"]
 
@@ -81,6 +81,25 @@ def _check_web_ports(settings: Any, workers: int) -> None:
             )
 
 
+def use_event_loop(name: str) -> None:
+    """Make new event loops ``name`` ones (``asyncio`` or ``uvloop``), before Faust creates its
+    own (the app's loop and its consumer thread's).
+
+    Raises:
+        ConfigError: uvloop was asked for and is not installed.
+    """
+    if name != "uvloop":
+        return
+    try:
+        import uvloop
+    except ImportError:
+        raise ConfigError(
+            "event_loop=uvloop but uvloop is not installed: pip install 'streamapp[uvloop]', "
+            "or set STREAMAPP_EVENT_LOOP=asyncio"
+        ) from None
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
 @cli.command()
 def worker(
     broker: Broker = None,
@@ -121,6 +140,8 @@ def worker(
     )
     try:
         settings = resolve_broker_kind(load_settings(**flags))
+        if processes is None:
+            use_event_loop(settings.event_loop)
         # One process per data directory (RocksDB): fail here, before joining the group.
         lock_data_dir(settings.data_dir, holder="supervisor" if processes else "worker")
         _check_web_ports(settings, processes or 1)

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -303,6 +304,29 @@ def _gauge(name: str, text: str, *, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, text, value=value)
 
 
+def observe_many(histogram: Any, values: np.ndarray) -> None:
+    """``histogram.observe(v)`` for every ``v`` of ``values`` (float64[n]), in O(buckets)
+    Python calls instead of O(n): the bucket of each value (the first upper bound ≥ it, as
+    ``Histogram.observe`` picks) comes from one ``np.searchsorted``.
+
+    Uses prometheus_client's histogram child internals (``_upper_bounds``, ``_buckets``,
+    ``_sum``, unchanged since 0.4); where they are missing, observes one value at a time.
+    """
+    bounds = getattr(histogram, "_upper_bounds", None)
+    buckets = getattr(histogram, "_buckets", None)
+    total = getattr(histogram, "_sum", None)
+    if bounds is None or buckets is None or total is None:
+        for value in values.tolist():
+            histogram.observe(value)
+        return
+    index = np.searchsorted(np.asarray(bounds, dtype=np.float64), values, side="left")
+    index = index[index < len(bounds)]  # NaN falls in no bucket, as in observe()
+    for i, n in enumerate(np.bincount(index, minlength=len(bounds)).tolist()):
+        if n:
+            buckets[i].inc(n)
+    total.inc(float(values.sum()))
+
+
 class Metrics:
     """The worker's metrics: a pipeline observer plus scrape-time gauges.
 
@@ -382,6 +406,42 @@ class Metrics:
                               (self.e2e_duration, outcome.e2e_ms)):
             if ms is not None:
                 self._child(histogram, model).observe(max(ms, 0.0) / 1000.0)
+
+    def on_outcomes(self, outcomes: Sequence[Outcome]) -> None:
+        """:meth:`on_outcome` for many outcomes: counters incremented once per label set and
+        the latency histograms filled in bulk (:func:`observe_many`)."""
+        counts: dict[tuple[Any, ...], int] = {}
+        latencies: dict[str, list[list[float]]] = {}
+        for outcome in outcomes:
+            model = self._model(outcome.model)
+            kind = outcome.kind
+            if kind == "retry":  # not final: the request comes back
+                key: tuple[Any, ...] = (self.retries, model, outcome.reason or "unknown")
+                counts[key] = counts.get(key, 0) + 1
+                continue
+            key = (self.requests, model, kind)
+            counts[key] = counts.get(key, 0) + 1
+            if kind == "dead_letter":
+                key = (self.dead_letters, model, outcome.reason or "unknown")
+                counts[key] = counts.get(key, 0) + 1
+                continue
+            columns = latencies.get(model)
+            if columns is None:
+                columns = latencies[model] = [[], [], []]
+            for column, ms in zip(columns, (outcome.queue_ms, outcome.infer_ms,
+                                            outcome.e2e_ms), strict=True):
+                if ms is not None:
+                    column.append(ms)
+        for (metric, *labels), n in counts.items():
+            self._child(metric, *labels).inc(n)
+        for model, columns in latencies.items():
+            for histogram, values in zip(
+                (self.queue_duration, self.inference_duration, self.e2e_duration), columns,
+                strict=True,
+            ):
+                if values:
+                    observe_many(self._child(histogram, model),
+                                 np.maximum(np.asarray(values, dtype=np.float64), 0.0) / 1e3)
 
     def on_batch(self, model: str, info: BatchInfo) -> None:
         model = self._model(model)

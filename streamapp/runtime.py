@@ -169,6 +169,7 @@ class WorkerRuntime:
             await asyncio.wait_for(pipeline.batcher.drain(), DRAIN_TIMEOUT_S)
             if self._host is not None:
                 await asyncio.wait_for(self._host.flush(), DRAIN_TIMEOUT_S)
+            await asyncio.wait_for(pipeline.wait_acknowledged(), DRAIN_TIMEOUT_S)
         except (TimeoutError, RuntimeError) as exc:
             log.warning("stopping with requests in flight (%s); they will be redelivered", exc)
         # device state of everything answered, and the acks it held back (before the commit)

@@ -61,7 +61,12 @@ class Outcome:
 
 class PipelineObserver(Protocol):
     """Receives outcomes and batch boundaries from :class:`~streamapp.agents.pipeline.
-    InferencePipeline`. ``on_outcome`` and ``on_batch`` must be cheap and must not raise."""
+    InferencePipeline`. ``on_outcome`` and ``on_batch`` must be cheap and must not raise.
+
+    An observer may also have ``on_outcomes(outcomes)``: the pipeline then hands it every
+    outcome of one produce call at once (in read order) instead of calling ``on_outcome`` for
+    each; ``writes_state = True`` makes commits wait for its ``flush`` (device tables).
+    """
 
     def on_outcome(self, outcome: Outcome) -> None: ...
 

@@ -270,6 +270,8 @@ class InferencePipeline:
             getattr(o, "writes_state", False) for o in self.observers
         )
         self._flusher: asyncio.Task[None] | None = None
+        #: Producer futures whose acknowledgement has not arrived yet (see wait_acknowledged).
+        self._outstanding: set[Any] = set()
         self.batcher: MicroBatcher[_Work] = MicroBatcher(
             self._run_batch,
             emit_many=self._emit_many,
@@ -305,6 +307,22 @@ class InferencePipeline:
         for ack in acks:
             ack()
         self.stats.acked += len(acks)
+
+    async def wait_acknowledged(self) -> None:
+        """Wait until the broker answered for every outcome handed to the producer so far and
+        their callbacks ran (acks held for the next :meth:`flush_state`, or failures logged).
+
+        ``producer.flush()`` returning is not enough: the futures' callbacks run after it, in
+        later loop iterations. A gather over the futures completes only after the callbacks
+        added before it ran (asyncio runs a future's callbacks in the order they were added).
+        """
+        if self._outstanding:
+            await asyncio.gather(*list(self._outstanding), return_exceptions=True)
+
+    def _track(self, future: Any) -> None:
+        if future not in self._outstanding:
+            self._outstanding.add(future)
+            future.add_done_callback(self._outstanding.discard)
 
     async def _flush_loop(self) -> None:
         while True:
@@ -447,8 +465,8 @@ class InferencePipeline:
         probs = outputs[config.output_name]
         k = min(self.settings.top_k, len(config.labels))
         return [
-            _ItemResult(outputs={"top_k": config.top_k(probs[i], k)}, infer_ms=infer_ms)
-            for i in range(len(works))
+            _ItemResult(outputs={"top_k": top}, infer_ms=infer_ms)
+            for top in config.top_k_many(np.asarray(probs)[: len(works)], k)
         ]
 
     # -- output ---------------------------------------------------------------------------------
@@ -484,6 +502,7 @@ class InferencePipeline:
                       type(exc).__name__, exc)
             return
         by_future: dict[int, tuple[Any, list[_Outgoing]]] = {}
+        told: list[Outcome] = []
         for entry, result in zip(outgoing, handed, strict=True):
             if isinstance(result, BaseException):
                 if _record_error(result) is None:
@@ -493,14 +512,16 @@ class InferencePipeline:
                 else:  # this record cannot be produced: the one-record path replaces it
                     await self._emit_alone(entry)
                 continue
-            self._sent(entry)
+            self._sent(entry, told)
             group = by_future.get(id(result))
             if group is None:
                 by_future[id(result)] = (result, [entry])
             else:
                 group[1].append(entry)
+        self._tell(told)
         for future, entries in by_future.values():
             future.add_done_callback(functools.partial(self._on_produced_many, entries))
+            self._track(future)
         if self._flush_interval_s <= 0:
             await self.flush_state()  # no interval: device state after every emit
 
@@ -535,8 +556,9 @@ class InferencePipeline:
                 return None
         return work, topic, key, value, outcome, completion.batch
 
-    def _sent(self, entry: _Outgoing) -> None:
-        """An outcome was handed to the producer: finish its retry counter, tell observers."""
+    def _sent(self, entry: _Outgoing, told: list[Outcome] | None = None) -> None:
+        """An outcome was handed to the producer: finish its retry counter, tell observers (now,
+        or with the others of ``told`` in :meth:`_tell`)."""
         work, _, _, _, outcome, batch = entry
         retry = work.source.retry
         if retry is not None and outcome.kind != "retry":
@@ -544,13 +566,28 @@ class InferencePipeline:
         for observer in self.observers:
             if batch is not None and batch.batch_id not in self._emitted_in_batch:
                 observer.on_batch(work.request.model if work.request else "", batch)
-            observer.on_outcome(outcome)
+            if told is None:
+                observer.on_outcome(outcome)
+        if told is not None:
+            told.append(outcome)
         if batch is not None:
             done = self._emitted_in_batch.get(batch.batch_id, 0) + 1
             if done < batch.size:
                 self._emitted_in_batch[batch.batch_id] = done
             else:
                 self._emitted_in_batch.pop(batch.batch_id, None)
+
+    def _tell(self, outcomes: list[Outcome]) -> None:
+        """Tell every observer about ``outcomes`` (``on_outcomes`` where it has one)."""
+        if not outcomes:
+            return
+        for observer in self.observers:
+            many = getattr(observer, "on_outcomes", None)
+            if many is not None:
+                many(outcomes)
+            else:
+                for outcome in outcomes:
+                    observer.on_outcome(outcome)
 
     async def _emit_alone(self, entry: _Outgoing) -> None:
         """Produce one outcome through ``sink.send`` (the path that replaces a record the
@@ -713,6 +750,7 @@ class InferencePipeline:
         if add_done_callback is None:
             raise TypeError(f"sink.send must return a future, got {type(ack_future).__name__}")
         add_done_callback(on_produced)
+        self._track(ack_future)
 
     async def _replace_refused(
         self, work: _Work, topic: str, outcome: Outcome, error: BaseException

@@ -265,6 +265,18 @@ class ModelConfig:
         order = np.argsort(-probs, kind="stable")[:k]
         return [{"label": self.labels[i], "score": round(float(probs[i]), 6)} for i in order]
 
+    def top_k_many(self, probs: np.ndarray, k: int) -> list[list[dict[str, Any]]]:
+        """:meth:`top_k` of every row of ``probs`` (``float[batch, classes]``) in one sort:
+        the same labels, order (ties by class index) and rounded scores."""
+        probs = np.asarray(probs)
+        order = np.argsort(-probs, axis=1, kind="stable")[:, :k]
+        scores = np.round(np.take_along_axis(probs, order, axis=1).astype(np.float64), 6)
+        labels = self.labels
+        return [
+            [{"label": labels[i], "score": score} for i, score in zip(row, row_scores, strict=True)]
+            for row, row_scores in zip(order.tolist(), scores.tolist(), strict=True)
+        ]
+
 
 def _strict_bool(value: Any) -> bool:
     if not isinstance(value, bool):

@@ -4,6 +4,7 @@ that name the field, and the derived topic and broker names."""
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 
@@ -196,3 +197,22 @@ def test_single_broker_conversions(monkeypatch: pytest.MonkeyPatch) -> None:
 
     assert settings.bootstrap_servers == "localhost:19092"
     assert settings.faust_broker == "kafka://localhost:19092"
+
+
+def test_uvloop_asked_for_but_missing_is_one_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    import builtins
+
+    from streamapp.cli import use_event_loop
+    from streamapp.exceptions import ConfigError
+
+    real_import = builtins.__import__
+
+    def no_uvloop(name: str, *args: Any, **kwargs: Any) -> Any:
+        if name == "uvloop":
+            raise ImportError("No module named 'uvloop'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_uvloop)
+    with pytest.raises(ConfigError, match=r"pip install 'streamapp\[uvloop\]'"):
+        use_event_loop("uvloop")
+    use_event_loop("asyncio")  # the default needs nothing

@@ -1052,3 +1052,129 @@ async def test_a_clock_within_the_skew_bound_is_trusted_and_never_gives_a_negati
     old, ahead = results_of(sink, pipeline)
     assert old["e2e_ms"] >= 30_000.0 and old["clock_skew_ms"] is None
     assert ahead["e2e_ms"] == 0.0 and ahead["clock_skew_ms"] is None
+
+
+# -- the batched produce path (BatchSink.send_many) ----------------------------------------------
+
+
+@dataclass
+class BatchFakeSink(FakeSink):
+    """A sink with ``send_many``: one future per call and topic (a record batch), resolved by
+    the test, or failed with ``refuse`` for the topics in ``refused``."""
+
+    calls: list[list[tuple[str, bytes | None, bytes]]] = field(default_factory=list)
+    batches: list[asyncio.Future[None]] = field(default_factory=list)
+    refused: set[str] = field(default_factory=set)
+
+    async def send_many(
+        self, records: Sequence[tuple[str, bytes | None, bytes]]
+    ) -> list[Any]:
+        self.calls.append(list(records))
+        futures: dict[str, asyncio.Future[None]] = {}
+        out = []
+        for topic, key, value in records:
+            future = futures.get(topic)
+            if future is None:
+                future = futures[topic] = asyncio.get_running_loop().create_future()
+                self.batches.append(future)
+                if topic in self.refused:
+                    from aiokafka.errors import MessageSizeTooLargeError
+
+                    future.set_exception(MessageSizeTooLargeError())
+                elif self.auto_resolve:
+                    future.set_result(None)
+            self.sent.append(Sent(topic, key, value, future))
+            out.append(future)
+        return out
+
+
+class StateWriter(Recorder):
+    """An observer whose ``flush`` writes device state: commits must wait for it."""
+
+    writes_state = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flushed_outcomes = 0
+
+    async def flush(self) -> None:
+        self.flushed_outcomes = len(self.outcomes)
+
+
+async def test_a_batch_of_outcomes_is_handed_over_in_one_call_and_acked_with_its_batch(
+    start_pipeline: StartPipeline, onnx_engine: Engine, images: np.ndarray,
+    offline_probs: Callable[[int], np.ndarray],
+) -> None:
+    sink, source = BatchFakeSink(auto_resolve=False), Source()
+    pipeline = await start_pipeline(ThreadExecutor(onnx_engine), sink, max_batch_size=8,
+                                    max_batch_delay_ms=10_000, state_flush_interval_ms=0)
+    messages = [good(source, images[i], f"dev-{i % 3}", i // 3) for i in range(8)]
+    messages.insert(3, source.message(b"not a request", b"dev-0"))
+    await pipeline.handle_many(messages)
+    await wait_for(lambda: len(sink.sent) == 9)
+
+    (call,) = sink.calls  # the batch closed full: every outcome in one call, in read order
+    assert [t for t, _, _ in call] == ["inference-result"] * 3 + ["inference-dlq"] + \
+        ["inference-result"] * 5
+    results = [json.loads(v) for t, _, v in call if t == "inference-result"]
+    assert [r["request_id"] for r in results] == [f"dev-{i % 3}-{i // 3}" for i in range(8)]
+    for i, result in enumerate(results):
+        assert result["outputs"]["top_k"][0]["label"] == top_label(offline_probs(i))
+    await settle()
+    assert source.acked == []  # handed over, not acknowledged by the broker yet
+    result_batch, dlq_batch = sink.batches
+    dlq_batch.set_result(None)
+    await wait_for(lambda: len(source.acked) == 1)
+    assert source.acked == [messages[3].offset]
+    result_batch.set_result(None)
+    await wait_for(lambda: len(source.acked) == 9)
+    assert sorted(source.acked) == sorted(m.offset for m in messages)
+
+
+async def test_acks_wait_for_the_state_flush_that_covers_their_outcomes(
+    start_pipeline: StartPipeline, onnx_engine: Engine, images: np.ndarray
+) -> None:
+    sink, source, state = BatchFakeSink(auto_resolve=True), Source(), StateWriter()
+    pipeline = await start_pipeline(ThreadExecutor(onnx_engine), sink, max_batch_size=4,
+                                    max_batch_delay_ms=1.0, observers=[state],
+                                    state_flush_interval_ms=3_600_000)
+    messages = [good(source, images[i], "dev-a", i) for i in range(4)]
+    await pipeline.handle_many(messages)
+    await wait_for(lambda: len(state.outcomes) == 4)
+    await settle()
+    assert source.acked == [] and state.flushed_outcomes == 0  # broker has them; state not yet
+
+    await pipeline.flush_state()
+    assert state.flushed_outcomes == 4
+    assert source.acked == [m.offset for m in messages]
+    assert pipeline.stats.acked == 4
+
+
+async def test_a_record_batch_the_broker_refuses_is_sent_again_record_by_record(
+    start_pipeline: StartPipeline, onnx_engine: Engine, images: np.ndarray
+) -> None:
+    # e.g. the result topic's max.message.bytes is below the producer's limit: each record of
+    # the refused batch goes alone through the path that answers a refused one with a small
+    # dead letter.
+    from aiokafka.errors import MessageSizeTooLargeError
+
+    class Sink(BatchFakeSink):
+        async def send(self, topic: str, key: bytes | None, value: bytes) -> Any:
+            future = await super().send(topic, key, value)
+            if topic == "inference-result":
+                future.set_exception(MessageSizeTooLargeError())
+            elif not future.done():
+                future.set_result(None)
+            return future
+
+    sink, source = Sink(auto_resolve=False, refused={"inference-result"}), Source()
+    pipeline = await start_pipeline(ThreadExecutor(onnx_engine), sink, max_batch_size=2,
+                                    max_batch_delay_ms=10_000, state_flush_interval_ms=0)
+    messages = [good(source, images[i], "dev-a", i) for i in range(2)]
+    await pipeline.handle_many(messages)
+    await wait_for(lambda: len(source.acked) == 2)
+
+    letters = dead_letters_of(sink, pipeline)
+    assert sorted((d.request_id, d.error["reason"]) for d in letters) == [
+        ("dev-a-0", "unproducible_outcome"), ("dev-a-1", "unproducible_outcome")]
+    assert sorted(source.acked) == [m.offset for m in messages]
