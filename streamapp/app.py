@@ -180,9 +180,11 @@ def create_app(settings: Settings | None = None) -> faust.App:
     async def on_assigned(app_: Any, assigned: set[Any], **kwargs: Any) -> None:
         set_fetch_max_wait(app, conf.fetch_max_wait_ms)
         set_read_committed(app)
-        # room for the table rows of every batch in flight (see set_producer_buffer_max)
+        # room for one state flush (a stats row and window buckets per device touched since
+        # the last one: thousands with thousands of devices), so that a flush does not stall
+        # the consumer (see set_producer_buffer_max)
         set_producer_buffer_max(
-            app, max(1024, 8 * conf.max_batch_size * conf.max_inflight_batches)
+            app, max(16_384, 8 * conf.max_batch_size * conf.max_inflight_batches)
         )
         delivery.on_assigned({
             (tp.topic, tp.partition) for tp in assigned
