@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -148,6 +149,9 @@ def _hotpath(args: argparse.Namespace, parser: argparse.ArgumentParser,
     config = HotpathConfig(requests=args.requests, broker=args.broker, rungs=rungs,
                            uvloop=args.uvloop, worker_env=env,
                            yardstick_batch=args.yardstick_batch)
+    # SIGTERM (an outer `timeout`) unwinds like Ctrl-C: the broker and the child are stopped
+    # and what was measured is already written.
+    signal.signal(signal.SIGTERM, lambda _sig, _frame: sys.exit(128 + signal.SIGTERM))
     started = time.monotonic()
     results = run_hotpath(config, args.out, log=log, logs=args.logs)
     print()

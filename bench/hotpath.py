@@ -22,6 +22,7 @@ record ≤ 1.4 × the yardstick's, product rate ≥ 0.7 × the yardstick's, mean
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import sys
 import time
@@ -120,6 +121,13 @@ class HotpathConfig:
 # -- measuring a drain -------------------------------------------------------------------------
 
 
+def _machine_busy_s() -> float:
+    """CPU seconds all cores of the machine spent busy so far (everything but idle and
+    iowait)."""
+    t = psutil.cpu_times()
+    return sum(t) - t.idle - getattr(t, "iowait", 0.0)
+
+
 def _cpu_s(procs: Sequence[psutil.Process]) -> float:
     """User + system CPU seconds of ``procs`` so far (processes gone count 0)."""
     total = 0.0
@@ -133,7 +141,7 @@ def _cpu_s(procs: Sequence[psutil.Process]) -> float:
 
 
 async def measure_drain(bootstrap: str, topics: Sequence[str], k: int,
-                        pids: Mapping[str, int], *, timeout_s: float,
+                        pids: Mapping[str, int], *, measured: str, timeout_s: float,
                         dead: Callable[[], str | None] = lambda: None,
                         batch_sizes: bool = False) -> dict[str, Any]:
     """Read ``topics`` from the beginning until ``k`` records came (or ``timeout_s``, or
@@ -145,7 +153,9 @@ async def measure_drain(bootstrap: str, topics: Sequence[str], k: int,
         topics: Output topics; the first holds results (``batch_sizes``), others are counted
             as dead letters or other.
         k: Records expected (the backlog).
-        pids: Processes whose CPU is measured, e.g. ``{"child": pid, "broker": pid}``.
+        pids: Processes whose CPU is measured, e.g. ``{"product": pid, "broker": pid}``.
+        measured: The name in ``pids`` of the process under test: its child processes
+            count with it.
         timeout_s: Longest wait (s) from the start of this call.
         dead: Returns why the measured process can no longer deliver (it exited), else None.
         batch_sizes: Parse each result's ``batch_size`` (:func:`bench.workloads.result_parse`).
@@ -154,7 +164,9 @@ async def measure_drain(bootstrap: str, topics: Sequence[str], k: int,
         ``records``, ``complete``, ``first``/``last`` (epoch s of the fetches),
         ``records_per_s`` (records after the first fetch ÷ the span; None for one fetch),
         ``cpu_s`` (name → CPU seconds over the span), ``cpu_us_per_record`` (name → µs),
-        ``other`` (records of the other topics), ``batch_sizes`` (list, per result).
+        ``machine_busy_cores`` / ``other_cores`` (the whole machine's busy CPU over the span,
+        and what ``pids`` do not account for, in cores), ``other`` (records of the other
+        topics), ``batch_sizes`` (list, per result).
     """
     consumer = AIOKafkaConsumer(
         bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False,
@@ -184,14 +196,15 @@ async def measure_drain(bootstrap: str, topics: Sequence[str], k: int,
             batches = await consumer.getmany(timeout_ms=100, max_records=10_000)
             if batches:
                 now = time.time()
-                if first is None:  # the measured process's children exist by now
-                    for plist in procs.values():
-                        if plist:
-                            try:
-                                plist += plist[0].children(recursive=True)
-                            except psutil.Error:
-                                pass
+                if first is None and procs.get(measured):
+                    # The measured process's children (a worker's helper processes) exist by
+                    # now; theirs count as its CPU.
+                    try:
+                        procs[measured] += procs[measured][0].children(recursive=True)
+                    except psutil.Error:
+                        pass
                 cpu = {name: _cpu_s(plist) for name, plist in procs.items()}
+                cpu["machine"] = _machine_busy_s()
                 for tp, records in batches.items():
                     count += len(records)
                     if tp.topic != topics[0]:
@@ -220,10 +233,16 @@ async def measure_drain(bootstrap: str, topics: Sequence[str], k: int,
         span, n = last[0] - first[0], last[1] - first[1]
         out.update(first=first[0], last=last[0], span_s=round(span, 3), span_records=n)
         out["cpu_s"] = {name: round(last[2][name] - first[2][name], 3) for name in procs}
+        machine = last[2]["machine"] - first[2]["machine"]
         if span > 0 and n > 0:
             out["records_per_s"] = n / span
             out["cpu_us_per_record"] = {name: round(cpu * 1e6 / n, 1)
                                         for name, cpu in out["cpu_s"].items()}
+            # Everything else the machine ran meanwhile (other users' processes), in cores:
+            # a measurement is clean only when this is small.
+            out["machine_busy_cores"] = round(machine / span, 2)
+            out["other_cores"] = round(max(0.0, machine - sum(out["cpu_s"].values())) / span,
+                                       2)
     return out
 
 
@@ -268,7 +287,10 @@ class Hotpath:
             raise ValueError(f"unknown rung {name!r}; use one of {', '.join(RUNGS)}")
         cfg = self.config
         app_id = f"bench-hot-{name}-{uuid.uuid4().hex[:6]}"
+        phases: dict[str, float] = {}
+        began = time.monotonic()
         with fresh_broker(self.logs, f"hotpath-{name}", cfg.broker) as broker:
+            phases["broker_start_s"] = round(time.monotonic() - began, 1)
             topics = topic_names(f"{app_id}.")
             bench_topics(broker, {t: cfg.partitions for t in topics.values()})
             started = time.time()
@@ -310,14 +332,21 @@ class Hotpath:
             try:
                 res = asyncio.run(measure_drain(
                     broker.bootstrap_servers, outputs, cfg.requests,
-                    {name: process.pid, "broker": broker.pid or 0},
-                    timeout_s=cfg.drain_timeout_s(), dead=dead,
+                    {name: process.pid, "broker": broker.pid or 0, "collector": os.getpid()},
+                    measured=name, timeout_s=cfg.drain_timeout_s(), dead=dead,
                     batch_sizes=name == "product"))
             finally:
+                stopping = time.monotonic()
                 child.stop(timeout_s=20.0)
+                phases["child_stop_s"] = round(time.monotonic() - stopping, 1)
                 shutil.rmtree(data_dir, ignore_errors=True)
             if not res["complete"]:
                 res["log_tail"] = child.log_tail(15)
+            stopping = time.monotonic()
+        phases["broker_stop_s"] = round(time.monotonic() - stopping, 1)
+        # Where a rung's wall time goes (s): for the time limits of a run on the GPU host.
+        res["phases"] = {**phases, "produce_s": round(produce_s, 1),
+                         "total_s": round(time.monotonic() - began, 1)}
         res["produce_per_s"] = round(cfg.requests / max(produce_s, 1e-6))
         if res.get("first"):
             res["launch_to_first_s"] = round(res["first"] - t_launch, 2)
@@ -371,7 +400,8 @@ def format_rung(name: str, res: Mapping[str, Any], bound: int) -> str:
     line = (f"{name}: {_f(res.get('records_per_s'))} records/s first→last "
             f"({_f(res.get('span_records'))} records in {_f(res.get('span_s'), '.2f')} s), "
             f"CPU {_f(cpu.get(name), '.2f')} s = {_f(per.get(name), ',.1f')} µs/record "
-            f"(broker {_f(per.get('broker'), ',.1f')} µs/record)")
+            f"(broker {_f(per.get('broker'), ',.1f')} µs/record; other processes "
+            f"{_f(res.get('other_cores'), '.2f')} cores)")
     if name == "product":
         full = res.get("full_fraction")
         line += (f", mean batch {_f(res.get('mean_batch'), '.1f')} per result "
@@ -429,7 +459,8 @@ def format_hotpath(results: Mapping[str, Any]) -> str:
 
 def run_hotpath(config: HotpathConfig, out: Path, *, log: Log = print,
                 logs: Path | None = None) -> dict[str, Any]:
-    """Measure every rung of ``config``; write ``bench.json`` and ``report.txt`` under ``out``.
+    """Measure every rung of ``config``; write ``bench.json`` and ``report.txt`` under ``out``
+    (after each rung).
 
     A rung that fails is recorded with its ``error`` and the others still run.
 
@@ -456,9 +487,10 @@ def run_hotpath(config: HotpathConfig, out: Path, *, log: Log = print,
         except Exception as exc:  # report what failed, measure the rest
             log(f"  {name}: FAILED: {type(exc).__name__}: {exc}")
             results["rungs"][name] = {"error": f"{type(exc).__name__}: {exc}"}
-    results["ratios"] = hotpath_ratios(results["rungs"], config.batch_bound)
-    (out / "bench.json").write_text(_dumps(results))
-    (out / "report.txt").write_text(format_hotpath(results) + "\n")
+        # After every rung: a run killed by an outer time limit keeps what it measured.
+        results["ratios"] = hotpath_ratios(results["rungs"], config.batch_bound)
+        (out / "bench.json").write_text(_dumps(results))
+        (out / "report.txt").write_text(format_hotpath(results) + "\n")
     return results
 
 
