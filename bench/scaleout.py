@@ -44,7 +44,7 @@ from bench.common import engine_ceiling, produce_backlog, results_count
 from bench.procs import Sampler, fresh_broker, topic_names
 from bench.workloads import Workload, result_parse, workload
 from streamapp.broker import EmbeddedBroker
-from streamapp.children import free_port
+from streamapp.children import free_port, popen_child
 from streamapp.kafka import create_topics
 from streamapp.process import WorkerProcess
 
@@ -183,8 +183,10 @@ class Child(WorkerProcess):
             env[f"STREAMAPP_{name.upper()}"] = str(value)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
-                                            env=env, start_new_session=True)
+            # As a worker (popen_child): its own process group, killed if this process dies
+            # (a benchmark stopped by an outer time limit leaves no child behind).
+            self.process = popen_child(self.argv, stdout=log, stderr=subprocess.STDOUT,
+                                       env=env)
         return self
 
 
