@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: help install demo test test-fast test-embedded test-kafka test-kafka-slow lint docs bench bench-smoke bench-backlog bench-scaleout train clean kafka-jars kafka
+.PHONY: help install demo test test-fast test-embedded test-kafka test-kafka-slow lint docs bench bench-smoke bench-backlog bench-scaleout bench-hotpath train clean kafka-jars kafka
 
 help:
 	@echo "make demo   - broker + worker + 1,797 real digits from 16 devices, prints a summary"
@@ -18,6 +18,7 @@ help:
 	@echo "make bench-smoke   - the same code paths, both brokers, in about 3 minutes (CI runs it as a test)"
 	@echo "make bench-backlog - worker RSS with 1,000,000 requests waiting, alone"
 	@echo "make bench-scaleout - only the scale-out: N = 1, 2 workers and the ceilings (~4 min)"
+	@echo "make bench-hotpath - the worker's CPU per result against the best Faust agent on Apache Kafka (~3 min)"
 	@echo "make train  - retrain the digits model (needs the 'train' extra: torch)"
 
 $(STAMP): pyproject.toml
@@ -85,3 +86,6 @@ bench-backlog: $(STAMP)
 
 bench-scaleout: $(STAMP)
 	$(BIN)/python -m bench scaleout --profile cpu --out bench-results/scaleout
+
+bench-hotpath: $(STAMP) kafka-jars
+	$(BIN)/python -m bench hotpath --out bench-results/hotpath

@@ -1,10 +1,11 @@
-"""``python -m bench run --profile cpu|smoke|gpu [--out DIR]``, ``python -m bench scaleout``
-and ``python -m bench backlog``."""
+"""``python -m bench run --profile cpu|smoke|gpu [--out DIR]``, ``python -m bench scaleout``,
+``python -m bench backlog`` and ``python -m bench hotpath``."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -12,6 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from bench.hotpath import RUNGS, HotpathConfig, format_hotpath, run_hotpath
 from bench.procs import BrokerKind
 from bench.report import format_report, write_plots
 from bench.run import PROFILES, environment, run_profile
@@ -57,6 +59,21 @@ def main(argv: list[str] | None = None) -> int:
     backlog.add_argument("--requests", type=int, default=1_000_000)
     backlog.add_argument("--seconds", type=float, default=45.0)
     backlog.add_argument("--out", type=Path, default=Path("bench-results/backlog"))
+    hot = sub.add_parser("hotpath", help="the worker against the best Faust agent, CPU per "
+                         "record draining one backlog (issue 17)")
+    hot.add_argument("--requests", type=int, default=30_000, help="backlog K per rung")
+    hot.add_argument("--broker", choices=("kafka", "embedded"), default="kafka")
+    hot.add_argument("--rungs", default=",".join(RUNGS),
+                     help=f"comma-separated, of {', '.join(RUNGS)}")
+    hot.add_argument("--uvloop", action="store_true", help="the yardstick on uvloop")
+    hot.add_argument("--yardstick-batch", type=int, default=None, metavar="N",
+                     help="the yardstick's take_events bound (default: the worker's "
+                     "max_batch_size)")
+    hot.add_argument("--out", type=Path, default=Path("bench-results/hotpath"))
+    hot.add_argument("--logs", type=Path, default=None, help="default OUT/logs")
+    hot.add_argument("--worker-env", action="append", default=[], metavar="KEY=VAL",
+                     help="environment of the worker (repeatable), e.g. "
+                     "STREAMAPP_MAX_BATCH_SIZE=128")
     report = sub.add_parser("report", help="print the report of a bench.json again")
     report.add_argument("json", type=Path)
     report.add_argument("--plots", type=Path, default=None, help="also redraw the PNGs here")
@@ -74,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "scaleout":
         return _scaleout(args, log)
+    if args.command == "hotpath":
+        return _hotpath(args, parser, log)
     if args.command == "run":
         profile = PROFILES[args.profile]
         only = tuple(w for w in args.only.split(",") if w)
@@ -106,6 +125,40 @@ def main(argv: list[str] | None = None) -> int:
     failed += [f"{n} on Apache Kafka" for n, w in
                results.get("apache_kafka", {}).get("workloads", {}).items() if "error" in w]
     return 1 if failed else 0
+
+
+def _hotpath(args: argparse.Namespace, parser: argparse.ArgumentParser,
+             log: Callable[[str], None]) -> int:
+    """``python -m bench hotpath``: 1 when a rung failed or did not drain its backlog."""
+    rungs = tuple(r for r in args.rungs.split(",") if r)
+    unknown = [r for r in rungs if r not in RUNGS]
+    if unknown or not rungs:
+        parser.error(f"--rungs: unknown {', '.join(unknown) or '(none given)'}; "
+                     f"use {', '.join(RUNGS)}")
+    if args.uvloop:
+        try:
+            import uvloop  # noqa: F401
+        except ImportError:
+            parser.error("--uvloop: uvloop is not installed (pip install -e '.[bench]')")
+    env = {}
+    for item in args.worker_env:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            parser.error(f"--worker-env {item!r}: expected KEY=VAL")
+        env[key] = value
+    config = HotpathConfig(requests=args.requests, broker=args.broker, rungs=rungs,
+                           uvloop=args.uvloop, worker_env=env,
+                           yardstick_batch=args.yardstick_batch)
+    # SIGTERM (an outer `timeout`) unwinds like Ctrl-C: the broker and the child are stopped
+    # and what was measured is already written.
+    signal.signal(signal.SIGTERM, lambda _sig, _frame: sys.exit(128 + signal.SIGTERM))
+    started = time.monotonic()
+    results = run_hotpath(config, args.out, log=log, logs=args.logs)
+    print()
+    print(format_hotpath(results))
+    print(f"\nwrote {args.out / 'bench.json'}, {args.out / 'report.txt'} in "
+          f"{time.monotonic() - started:.0f} s")
+    return 0 if all(r.get("complete") for r in results["rungs"].values()) else 1
 
 
 def _brokers(choice: str | None) -> tuple[BrokerKind, ...] | None:

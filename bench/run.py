@@ -12,9 +12,7 @@ import contextlib
 import json
 import os
 import platform
-import re
 import time
-import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
@@ -23,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import load
+from bench.common import engine_ceiling, produce_backlog, results_count
 from bench.procs import (
     Broker,
     BrokerKind,
@@ -35,6 +34,7 @@ from bench.procs import (
     py_spy,
     start_worker,
 )
+from bench.scaleout import SCALE_PROFILES, Fleet, launch_clients, run_scaleout
 from bench.workloads import Workload, forwarded_parse, result_parse, workload
 from streamapp.kafka import create_topics
 
@@ -169,29 +169,6 @@ def _worker_settings(plan: Plan, wl: Workload, profile: Profile, *, batch: int |
     return settings
 
 
-def _engine_ceiling(plan: Plan, wl: Workload, log: Log) -> dict[str, Any]:
-    """The backend alone at the plan's batch size (``engines bench``'s raw mode)."""
-    from engines.bench import BenchConfig, run_bench
-    from streamapp.models import ModelRepository
-
-    config = ModelRepository(wl.models_dir).get(wl.model)
-    cfg = BenchConfig(model=config.path, backend=plan.backend, batch_sizes=(plan.batch,),
-                      duration_s=plan.engine_s, warmup_s=0.5, modes=("raw",),
-                      timeline_batches=0, options=config.engine_options(plan.backend))
-    res = run_bench(cfg, log=lambda _m: None)
-    raw = res["raw"][str(plan.batch)]
-    best = raw.get("device") or raw["infer"]
-    out = {"batch": plan.batch, "items_per_s": best["items_per_s"],
-           "batch_ms_p50": best["p50_ms"], "mode": "device" if "device" in raw else "infer",
-           "raw": raw, "engine": res["env"]["engine"]}
-    if "io" in raw:
-        out["io_items_per_s"] = raw["io"]["items_per_s"]
-        out["io_batch_ms_p50"] = raw["io"]["p50_ms"]
-    log(f"  engine ceiling: {out['items_per_s']:,.0f} items/s at batch {plan.batch} "
-        f"({out['batch_ms_p50']:.2f} ms/batch, {out['mode']})")
-    return out
-
-
 def _run(coro: Any) -> Any:
     return asyncio.run(coro)
 
@@ -257,8 +234,6 @@ class Bench:
     def roundtrip(self, plan: Plan, wl: Workload, rate: float) -> dict[str, Any]:
         """Open loop at ``rate`` through one plain aiokafka client that forwards request →
         result (:mod:`bench.relay`): the transport's share of the latency budget."""
-        from bench.scaleout import Fleet, launch_clients
-
         with self._broker(f"roundtrip-{wl.name}") as broker:
             group = f"bench-rt-{uuid.uuid4().hex[:6]}"
             source, sink = f"{group}.in", f"{group}.out"
@@ -401,7 +376,7 @@ class Bench:
         out: dict[str, Any] = {"describe": wl.describe, "payload_bytes": wl.payload_bytes,
                                "plan": asdict(plan)}
         self.results["workloads"][wl.name] = out
-        out["engine"] = _engine_ceiling(plan, wl, self.log)
+        out["engine"] = engine_ceiling(wl, plan.backend, plan.batch, plan.engine_s, self.log)
         out["transport"] = self.transport(plan, wl)
         if plan.forwarder:
             out["forwarder"] = self.forwarder(plan, wl)
@@ -563,7 +538,7 @@ class Bench:
             create_topics(broker.bootstrap_servers,
                           {t: plan.partitions for t in topics.values()})
             started = time.time()
-            produced = _run(_produce(broker.bootstrap_servers, topics["request"], wl, n))
+            produced = _run(produce_backlog(broker.bootstrap_servers, topics["request"], wl, n))
             out["produce_s"] = round(time.time() - started, 2)
             out["produce_per_s"] = round(n / out["produce_s"])
             self.log(f"  produced {n:,} in {out['produce_s']} s ({out['produce_per_s']:,}/s); "
@@ -588,7 +563,7 @@ class Bench:
                     while time.time() < t_end:
                         time.sleep(1.0)
                         series.append((round(time.time() - t_start, 1),
-                                       _results_count(proc.web_url)))
+                                       results_count(proc.web_url, 2.0) or 0))
                 samples = [(round(s["t"] - t_start, 2), s["rss"].get("worker", 0) / 2**20)
                            for s in sampler.samples]
             out.update({
@@ -613,23 +588,6 @@ class Bench:
         (self.out / "bench.json").write_text(json.dumps(self.results, indent=1, default=str))
 
 
-async def _produce(bootstrap: str, topic: str, wl: Workload, n: int,
-                   options: dict[str, Any] | None = None) -> int:
-    """Produce ``n`` requests of ``wl`` as fast as possible; returns the failed sends."""
-    sender_opts = {"linger_ms": 20, "max_batch_size": 1 << 20, "acks": 1, **(options or {})}
-    producer = load._producer(bootstrap, sender_opts)
-    await producer.start()
-    try:
-        sender = load._Sender(producer, topic, wl.payload)
-        now = time.time()
-        for i in range(n):
-            await sender.send(i, now)
-        await sender.flush()
-        return sender.failed
-    finally:
-        await producer.stop()
-
-
 def _rss_mib(pid: int | None) -> float:
     import psutil
 
@@ -642,19 +600,6 @@ def _rss_mib(pid: int | None) -> float:
 def _rss_at(samples: list[tuple[float, float]], t: float) -> float | None:
     after = [r for s, r in samples if s >= t]
     return round(after[0], 1) if after else None
-
-
-_RESULTS = re.compile(rb'^streamapp_requests_total\{[^}]*outcome="result"[^}]*\}\s+([0-9.e+]+)',
-                      re.M)
-
-
-def _results_count(web_url: str) -> int:
-    try:
-        with urllib.request.urlopen(web_url + "/metrics", timeout=2) as r:
-            body = r.read()
-        return int(sum(float(m) for m in _RESULTS.findall(body)))
-    except Exception:
-        return 0
 
 
 def _f(value: Any, spec: str = ".1f") -> str:
@@ -800,8 +745,6 @@ def run_profile(profile: Profile, out: Path, *, only: tuple[str, ...] = (),
         except Exception as exc:
             log(f"  backlog FAILED: {type(exc).__name__}: {exc}")
             bench.results["backlog"] = {"error": f"{type(exc).__name__}: {exc}"}
-    from bench.scaleout import SCALE_PROFILES, run_scaleout
-
     if scaleout and profile.name in SCALE_PROFILES:
         left = None if budget_s is None else budget_s - (time.monotonic() - started)
         run_scaleout(SCALE_PROFILES[profile.name], bench.results, bench.logs, log=log,

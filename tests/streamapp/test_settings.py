@@ -216,3 +216,53 @@ def test_uvloop_asked_for_but_missing_is_one_clear_error(monkeypatch: pytest.Mon
     with pytest.raises(ConfigError, match=r"pip install 'streamapp\[uvloop\]'"):
         use_event_loop("uvloop")
     use_event_loop("asyncio")  # the default needs nothing
+
+
+def test_the_projects_own_kafka_variables_are_not_settings_and_not_errors(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from typer.testing import CliRunner
+
+    from streamapp.cli import cli
+
+    monkeypatch.setenv("STREAMAPP_KAFKA_HOME", "/opt/kafka-jars")
+    monkeypatch.setenv("STREAMAPP_KAFKA_JVM_OPTS", "-Xmx1G -XX:+UseG1GC")
+    monkeypatch.setenv("STREAMAPP_MAX_BATCH_SIZE", "48")
+
+    assert load_settings().max_batch_size == 48
+    result = CliRunner().invoke(cli, ["settings"])
+    assert result.exit_code == 0, result.output
+    assert '"max_batch_size": 48' in result.output and "kafka_home" not in result.output
+
+
+def test_a_misspelt_setting_in_the_environment_is_still_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("STREAMAPP_KAFKA_HOME", "/opt/kafka-jars")
+    monkeypatch.setenv("STREAMAPP_MAX_BATCH_SIZ", "48")
+
+    with pytest.raises(ConfigError, match="unknown setting") as info:
+        load_settings()
+
+    assert "STREAMAPP_MAX_BATCH_SIZ (did you mean STREAMAPP_MAX_BATCH_SIZE?)" in str(info.value)
+    assert "KAFKA_HOME" not in str(info.value)
+
+
+def test_every_prefixed_variable_the_project_reads_is_a_setting_or_listed_as_other() -> None:
+    """A ``"STREAMAPP_..."`` literal in the code is a setting's variable or one of
+    ``OTHER_ENV``; otherwise a worker started where it is set would refuse to start."""
+    import re
+    from pathlib import Path
+
+    from streamapp import kafka_server
+    from streamapp.settings import ENV_PREFIX, OTHER_ENV, Settings
+
+    root = Path(__file__).resolve().parents[2]
+    names = set()
+    for folder in ("streamapp", "engines", "bench", "scripts"):
+        for path in (root / folder).rglob("*.py"):
+            names.update(re.findall(r"""["'](STREAMAPP_[A-Z0-9_]+)["']""", path.read_text()))
+    settings = {f"{ENV_PREFIX}{name.upper()}" for name in Settings.model_fields}
+
+    assert names - settings == OTHER_ENV
+    assert {kafka_server.HOME_ENV, kafka_server.JVM_OPTS_ENV} == OTHER_ENV
