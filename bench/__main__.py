@@ -53,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
                        "profile's logic on CPU)")
     scale.add_argument("--budget-s", type=float, default=None,
                        help="skip steps that no longer fit in this many seconds")
+    scale.add_argument("--broker", choices=("embedded", "kafka"), default="embedded",
+                       help="a fresh embedded broker or a fresh Apache Kafka per measurement")
     scale.add_argument("--dry-run", action="store_true",
                        help="print the steps, their estimates and what the budget skips")
     backlog = sub.add_parser("backlog", help="worker RSS with a backlog waiting in the topic")
@@ -188,7 +190,7 @@ def _scaleout(args: argparse.Namespace, log: Callable[[str], None]) -> int:
     started = time.monotonic()
     run_scaleout(SCALE_PROFILES[args.profile], results, args.logs or out / "logs", log=log,
                  launcher=args.launcher, budget_s=args.budget_s, ns=ns, only=only, save=save,
-                 backend=args.backend)
+                 backend=args.backend, broker=args.broker)
     results["elapsed_s"] = round(time.monotonic() - started, 1)
     save()
     report = format_report(results)

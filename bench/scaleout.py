@@ -41,7 +41,7 @@ import psutil
 
 from bench import load
 from bench.common import engine_ceiling, produce_backlog, results_count
-from bench.procs import Sampler, fresh_broker, topic_names
+from bench.procs import BrokerKind, Sampler, fresh_broker, topic_names
 from bench.workloads import Workload, result_parse, workload
 from streamapp.broker import EmbeddedBroker
 from streamapp.children import free_port, popen_child
@@ -158,7 +158,10 @@ SCALE_PROFILES: dict[str, ScaleProfile] = {
         ScalePlan("resnet50-tensor", ns=(1, 2, 4, 8, 12),  # type: ignore[arg-type]
                   mps_ns=(2, 4, 8, 12), **_RESNET_GPU),
         # camera JPEGs decoded on the GPU (issue 11); run it with --only resnet50-jpeg
-        ScalePlan("resnet50-jpeg", ns=(1, 4, 8), **_RESNET_GPU),  # type: ignore[arg-type]
+        # (issue 17: on Apache Kafka, a backlog long enough for batches to fill, MPS at N = 8)
+        ScalePlan("resnet50-jpeg", ns=(1, 4, 8),  # type: ignore[arg-type]
+                  **{**_RESNET_GPU, "backlog_per_worker": 1_500, "backlog_max": 12_000,
+                     "mps_ns": (8,)}),
     ), start_s=15.0),
 }
 
@@ -498,11 +501,12 @@ class ScaleOut:
     """Runs a :class:`ScaleProfile`, writing into ``results["scaleout"]``."""
 
     def __init__(self, profile: ScaleProfile, results: dict[str, Any], logs: Path, log: Log,
-                 launcher: str = "own", save: Callable[[], None] = lambda: None) -> None:
+                 launcher: str = "own", save: Callable[[], None] = lambda: None,
+                 broker: BrokerKind = "embedded") -> None:
         self.profile, self.logs, self.log, self.launcher = profile, logs, log, launcher
-        self.save = save
+        self.save, self.broker = save, broker
         self.section: dict[str, Any] = results.setdefault("scaleout", {})
-        self.section.update({"profile": profile.name, "launcher": launcher,
+        self.section.update({"profile": profile.name, "launcher": launcher, "broker": broker,
                              "plans": [asdict(p) for p in profile.plans]})
         self.section.setdefault("series", {})
         self.section.setdefault("engine", {})
@@ -560,7 +564,7 @@ class ScaleOut:
         wl = self._wl(plan)
         k = plan.backlog(n)
         name = f"scale-{wl.name}-n{n}" + ("-mps" if mps else "")
-        with fresh_broker(self.logs, name) as broker:
+        with fresh_broker(self.logs, name, self.broker) as broker:
             app_id = f"bench-{name}-{uuid.uuid4().hex[:6]}"
             topics = topic_names(f"{app_id}.")
             create_topics(broker.bootstrap_servers,
@@ -604,7 +608,7 @@ class ScaleOut:
         wl = self._wl(plan)
         k = plan.backlog(n, kind)
         name = f"scale-{wl.name}-{kind}-n{n}"
-        with fresh_broker(self.logs, name) as broker:
+        with fresh_broker(self.logs, name, self.broker) as broker:
             group = f"bench-{name}-{uuid.uuid4().hex[:6]}"
             source, sink = f"{group}.in", f"{group}.out"
             create_topics(broker.bootstrap_servers, {source: plan.partitions,
@@ -771,7 +775,7 @@ def run_scaleout(profile: ScaleProfile, results: dict[str, Any], logs: Path, *, 
                  launcher: str = "own", budget_s: float | None = None,
                  ns: tuple[int, ...] | None = None, only: tuple[str, ...] = (),
                  dry_run: bool = False, save: Callable[[], None] = lambda: None,
-                 backend: str | None = None) -> dict[str, Any]:
+                 backend: str | None = None, broker: BrokerKind = "embedded") -> dict[str, Any]:
     """Run (or, ``dry_run``, print) the scale-out section; returns ``results["scaleout"]``.
 
     Args:
@@ -782,11 +786,13 @@ def run_scaleout(profile: ScaleProfile, results: dict[str, Any], logs: Path, *, 
         only: Workloads to run (default all).
         backend: Override every plan's backend (e.g. ``onnxruntime`` to try the GPU profile's
             logic on CPU).
+        broker: ``embedded`` (Tansu, fresh per measurement) or ``kafka`` (Apache Kafka, fresh
+            per measurement: what users run; needs Java).
     """
     plans = tuple(replace(p, **({"backend": backend} if backend else {}))
                   for p in profile.plans if not only or p.workload in only)
     profile = replace(profile, plans=plans)
-    scale = None if dry_run else ScaleOut(profile, results, logs, log, launcher, save)
+    scale = None if dry_run else ScaleOut(profile, results, logs, log, launcher, save, broker)
     section = results.setdefault("scaleout", {}) if scale is None else scale.section
     has_mps = shutil.which("nvidia-cuda-mps-control") is not None
     steps = plan_steps(profile, scale, ns, mps=has_mps or dry_run)

@@ -215,6 +215,13 @@ class Settings(BaseSettings):
         "re-delivers at most what finished within one interval plus what was in flight. 0 "
         "writes after every group of outcomes produced (the most changelog records).",
     )
+    state_flush_max_records: int = Field(
+        1024, ge=1,
+        description="Flush device state sooner, as soon as this many finished records wait "
+        "for it (records whose outcome the broker has, not yet committed): bounds what a "
+        "crash re-delivers at high rates (this many plus what was in flight), at the cost of "
+        "more changelog records (one per device touched per flush).",
+    )
     max_retries: int = Field(
         3, ge=0, description="Retries of a transient failure before the request goes to the DLQ."
     )

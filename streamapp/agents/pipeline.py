@@ -269,6 +269,9 @@ class InferencePipeline:
         self._hold_acks = self._flush_interval_s > 0 and any(
             getattr(o, "writes_state", False) for o in self.observers
         )
+        self._flush_max_records = int(getattr(settings, "state_flush_max_records", 1024))
+        #: Set when ``state_flush_max_records`` acks are held: the flush loop runs at once.
+        self._flush_now = asyncio.Event()
         self._flusher: asyncio.Task[None] | None = None
         #: Producer futures whose acknowledgement has not arrived yet (see wait_acknowledged).
         self._outstanding: set[Any] = set()
@@ -325,8 +328,14 @@ class InferencePipeline:
             future.add_done_callback(self._outstanding.discard)
 
     async def _flush_loop(self) -> None:
+        """Flush every ``state_flush_interval_ms``, or sooner when ``state_flush_max_records``
+        acks are held (so that what a crash re-delivers stays bounded at any rate)."""
         while True:
-            await asyncio.sleep(self._flush_interval_s)
+            try:
+                await asyncio.wait_for(self._flush_now.wait(), self._flush_interval_s)
+            except TimeoutError:
+                pass
+            self._flush_now.clear()
             await self.flush_state()
 
     # -- input ----------------------------------------------------------------------------------
@@ -653,6 +662,8 @@ class InferencePipeline:
         when an observer writes device state."""
         if self._hold_acks:
             self._held_acks.append(source.ack)
+            if len(self._held_acks) >= self._flush_max_records:
+                self._flush_now.set()
             return
         source.ack()
         self.stats.acked += 1

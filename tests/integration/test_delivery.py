@@ -33,7 +33,11 @@ from streamapp.settings import Settings
 pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 BATCH, INFLIGHT = 32, 2
-MAX_PENDING = BATCH * (INFLIGHT + 1)
+#: Finished records that wait for the next device state flush (``state_flush_max_records``).
+FLUSH_RECORDS = 64
+#: Read but not committed: batches in flight, one being filled, and the finished records that
+#: wait for the state flush; a crash re-delivers at most about twice this (docs/delivery.md).
+MAX_PENDING = BATCH * (INFLIGHT + 1) + FLUSH_RECORDS
 
 
 def _worker(settings: Settings, tmp_path: Path, name: str, static: bool = False) -> WorkerProcess:
@@ -45,7 +49,8 @@ def _worker(settings: Settings, tmp_path: Path, name: str, static: bool = False)
             "topic_prefix": settings.topic_prefix, "topic_partitions": settings.topic_partitions,
             "backend": "onnxruntime", "data_dir": tmp_path / f"data-{name}",
             "max_batch_size": BATCH, "max_inflight_batches": INFLIGHT,
-            "commit_interval_ms": 20, "worker_name": name,
+            "commit_interval_ms": 20, "state_flush_max_records": FLUSH_RECORDS,
+            "worker_name": name,
             **({"group_instance_id": name} if static else {}),
         },
         log_path=tmp_path / f"{name}.log",

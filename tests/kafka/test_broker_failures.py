@@ -36,9 +36,12 @@ pytestmark = [
 ]
 
 TOTAL, DEVICES = 8_000, 32
-#: Records a worker can have read but not committed: batches in flight plus one being filled
-#: (as in tests/integration/test_delivery.py); duplicates stay within twice this per failure.
-MAX_PENDING = 32 * (2 + 1)
+#: Finished records that wait for the next device state flush (``state_flush_max_records``).
+FLUSH_RECORDS = 64
+#: Records a worker can have read but not committed: batches in flight plus one being filled,
+#: plus the finished ones waiting for the state flush (as in tests/integration/test_delivery.py);
+#: duplicates stay within twice this per failure.
+MAX_PENDING = 32 * (2 + 1) + FLUSH_RECORDS
 
 
 def _answered(outcomes: Outcomes) -> set[str | None]:
@@ -101,7 +104,8 @@ def _setup(kafka: KafkaBroker, app_id: str, tmp_path: Path, replicas: int
             "broker": settings.broker, "app_id": app_id, "topic_prefix": settings.topic_prefix,
             "topic_partitions": 4, "topic_replication_factor": replicas,
             "backend": "onnxruntime", "data_dir": tmp_path / "data", "max_batch_size": 32,
-            "commit_interval_ms": 20, "group_instance_id": "w",
+            "commit_interval_ms": 20, "state_flush_max_records": FLUSH_RECORDS,
+            "group_instance_id": "w",
         },
         log_path=tmp_path / "worker.log",
     )

@@ -1150,6 +1150,29 @@ async def test_acks_wait_for_the_state_flush_that_covers_their_outcomes(
     assert pipeline.stats.acked == 4
 
 
+async def test_enough_held_acks_flush_the_state_before_the_interval(
+    start_pipeline: StartPipeline, onnx_engine: Engine, images: np.ndarray
+) -> None:
+    # state_flush_max_records bounds what a crash re-delivers at any rate: an hour-long
+    # interval, yet the 8th finished record flushes the state and acks all eight.
+    sink, source, state = BatchFakeSink(auto_resolve=True), Source(), StateWriter()
+    pipeline = await start_pipeline(ThreadExecutor(onnx_engine), sink, max_batch_size=4,
+                                    max_batch_delay_ms=1.0, observers=[state],
+                                    state_flush_interval_ms=3_600_000,
+                                    state_flush_max_records=8)
+    first = [good(source, images[i], "dev-a", i) for i in range(4)]
+    await pipeline.handle_many(first)
+    await wait_for(lambda: len(state.outcomes) == 4)
+    await settle()
+    assert source.acked == [] and state.flushed_outcomes == 0  # 4 of 8: still held
+
+    second = [good(source, images[i], "dev-a", i) for i in range(4, 8)]
+    await pipeline.handle_many(second)
+    await wait_for(lambda: len(source.acked) == 8)
+    assert state.flushed_outcomes == 8
+    assert source.acked == [m.offset for m in first + second]
+
+
 async def test_a_record_batch_the_broker_refuses_is_sent_again_record_by_record(
     start_pipeline: StartPipeline, onnx_engine: Engine, images: np.ndarray
 ) -> None:
