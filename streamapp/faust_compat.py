@@ -342,6 +342,35 @@ class FaustConsumer:
         await self.app.crash(exc)
 
 
+def changelog_topics(app: Any) -> list[str]:
+    """The changelog topic names of ``app``'s tables."""
+    names = []
+    for table in getattr(app, "tables", {}).values():
+        with contextlib.suppress(Exception):
+            names.append(table.changelog_topic.get_topic_name())
+    return names
+
+
+def track_metadata(client: Any, topics: Iterable[str]) -> None:
+    """Make an aiokafka client's metadata refreshes always include ``topics``.
+
+    aiokafka's client asks for the metadata of *all* topics until a topic is added to the set it
+    tracks, and from then on only of that set, replacing what it knew. A topic it learned from
+    an all-topics answer is never added (``_wait_on_metadata`` returns early for a known topic):
+    once Faust adds a changelog topic that did not exist at start, the producer forgets the
+    result topic's partitions, every batch for it waits for a leader, and the sender asks for
+    metadata in a tight loop until the batches expire (``producer_request_timeout``, 20 min):
+    a worker that answered nothing with a backlog waiting, in one start of four on Apache Kafka
+    (bench hotpath, 2026-12-01). Adding every topic we produce to fixes that.
+    """
+    tracked = getattr(client, "_topics", None)
+    if not isinstance(tracked, set):
+        return
+    for topic in topics:
+        if topic not in tracked:
+            client.add_topic(topic)
+
+
 class FaustSink:
     """:class:`streamapp.agents.pipeline.BatchSink` over Faust topics (raw key and value bytes).
 
@@ -361,10 +390,22 @@ class FaustSink:
     def __init__(self, topics: dict[str, Any], app: Any = None) -> None:
         self._topics = topics
         self._app = app
+        self._tracked: Any = None  # the producer client whose metadata tracks our topics
 
     async def send(self, topic: str, key: bytes | None, value: bytes) -> Awaitable[Any]:
+        if self._app is not None:
+            self._producer()
         fut: Awaitable[Any] = await self._topics[topic].send(key=key, value=value)
         return fut
+
+    def _producer(self) -> Any:
+        """The aiokafka producer Faust runs, its metadata tracking every topic we produce to
+        (:func:`track_metadata`)."""
+        producer = self._app.producer._ensure_producer()
+        if self._tracked is not producer.client:
+            track_metadata(producer.client, [*self._topics, *changelog_topics(self._app)])
+            self._tracked = producer.client
+        return producer
 
     async def send_many(
         self, records: Sequence[tuple[str, bytes | None, bytes]]
@@ -380,7 +421,7 @@ class FaustSink:
                 except Exception as exc:
                     out.append(exc)
             return out
-        producer = self._app.producer._ensure_producer()  # the aiokafka producer
+        producer = self._producer()
         groups: dict[tuple[str, int], list[int]] = {}
         partitions: dict[str, tuple[list[int], list[int]]] = {}
         partitioner = producer._partitioner

@@ -78,3 +78,30 @@ async def test_send_many_keeps_the_partition_and_order_of_send(
             partition = pick(key, list(range(partitions)), list(range(partitions)))
             expected.setdefault(partition, []).append((key, value))
         assert stored == expected
+
+
+async def test_results_are_delivered_after_a_new_topic_joins_the_producers_metadata(
+    kafka_broker: EmbeddedBroker, app_id: str
+) -> None:
+    # The result topic exists when the producer starts (it learns it from the all-topics
+    # metadata answer). While a batch of results waits in the producer, a changelog topic that
+    # did not exist is produced to, as Faust does for a table's first write. aiokafka then
+    # refreshes only the topics it tracks: without track_metadata the result topic's partitions
+    # are forgotten and the waiting batch never finds its leader (the sender asks for metadata
+    # in a tight loop) until it expires.
+    bootstrap = kafka_broker.bootstrap_servers
+    results, changelog = f"{app_id}.results", f"{app_id}-device_stats-changelog"
+    create_topics(bootstrap, {results: 2})
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=1_000,
+                                request_timeout_ms=120_000)
+    await producer.start()
+    try:
+        sink = FaustSink({results: None}, _App(producer))
+        handed = await sink.send_many([(results, b"dev-1", b"result")])  # lingers 1 s
+        create_topics(bootstrap, {changelog: 2})
+        await asyncio.wait_for(producer.send_and_wait(changelog, b"row", key=b"dev-1"), 30)
+        await asyncio.wait_for(asyncio.gather(*handed), 15)  # type: ignore[arg-type]
+    finally:
+        await producer.stop()
+    stored = await _read_all(bootstrap, results, 2, 1)
+    assert [v for records in stored.values() for _, v in records] == [b"result"]
