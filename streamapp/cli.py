@@ -1,5 +1,5 @@
 """The ``streamapp`` command line: ``broker``, ``worker``, ``publish``, ``demo``, ``settings``,
-``status`` and ``dlq tail`` / ``dlq replay``."""
+``status``, ``results tail`` and ``dlq tail`` / ``dlq replay``."""
 
 from __future__ import annotations
 
@@ -452,6 +452,71 @@ def dlq_replay(
             f"replayed {report.replayed} dead letters ({where.describe()}) to "
             f"{report.request_topic}{not_replayable}"
         )
+
+
+# -- results -------------------------------------------------------------------------------------
+
+results_cli = _command_group("results", "Read the predictions (the inference-result topic).")
+
+
+@results_cli.command("tail")
+def results_tail(
+    broker: Broker = None,
+    topic_prefix: TopicPrefix = None,
+    device: Device = None,
+    since: Since = None,
+    follow: Follow = False,
+    limit: Limit = 50,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per line (the "
+                       "result plus its record position).")] = False,
+) -> None:
+    """Show results, one 80-column line each: device, seq, model and engine, top label and
+    score, end-to-end latency (ms). Oldest first; a record that is not a result gets a line
+    saying why."""
+    from streamapp.results import (
+        RESULT_HEADER,
+        ResultEntry,
+        ResultReader,
+        format_result_json,
+        format_result_line,
+    )
+    from streamapp.tail import iso_utc
+
+    settings, security = _topic_context(broker, topic_prefix)
+    since_s = _since(since)
+
+    def show(entries: list[ResultEntry], header: bool) -> None:
+        if as_json:
+            text = format_result_json(entries)
+        else:
+            text = "\n".join([RESULT_HEADER] * header + [format_result_line(e) for e in entries])
+        if text:
+            typer.echo(text)
+
+    async def run() -> None:
+        async with ResultReader(
+            settings.bootstrap_servers, settings.result_topic, security=security
+        ) as reader:
+            if since_s is not None:
+                await reader.start_at_time(since_s)
+            elif device is None and limit:
+                await reader.start_at_last(limit)  # else: a device's results may be anywhere
+            described = " ".join(
+                ([f"device={device}"] if device is not None else [])
+                + ([f"since={iso_utc(since_s)}"] if since_s is not None else [])
+            ) or "all"
+
+            def summary(shown: int, matching: int, read: int) -> str:
+                return (f"{shown} shown of {matching} matching ({described}) of {read} "
+                        f"records read from {settings.result_topic}")
+
+            await _print_tail(
+                reader, keep=lambda e: device is None or e.device == device,
+                order=lambda e: (e.timestamp_ms, e.partition, e.offset),
+                limit=limit, follow=follow, show=show, summary=summary,
+            )
+
+    _run_tail(settings.bootstrap_servers, run)
 
 
 # -- status (streamapp.status) -------------------------------------------------------------------

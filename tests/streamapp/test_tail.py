@@ -46,7 +46,8 @@ def test_parse_since_rejects_with_examples(text: str) -> None:
         parse_since(text, now=NOW)
 
 
-@pytest.mark.parametrize("command", [["dlq", "tail"], ["dlq", "replay", "-r", "x"]])
+@pytest.mark.parametrize("command", [["dlq", "tail"], ["dlq", "replay", "-r", "x"],
+                                     ["results", "tail"]])
 def test_commands_reject_a_bad_since_with_exit_2(runner: CliRunner, command: list[str]) -> None:
     out = runner.invoke(cli, [*command, "--broker", "kafka://127.0.0.1:1", "--since", "tuesday"])
 
