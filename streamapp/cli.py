@@ -151,7 +151,7 @@ def worker(
             from streamapp.app import create_app
 
             app = create_app(settings)
-            app.streamapp_runtime.preload()  # type: ignore[attr-defined]
+            loaded = app.streamapp_runtime.preload()  # type: ignore[attr-defined]
         # Create our topics with the configured partition count before Faust touches them:
         # brokers that auto-create topics (Tansu does) would otherwise pick their default.
         create_topics(
@@ -167,8 +167,10 @@ def worker(
 
         raise typer.Exit(run_supervisor(settings, processes or 1, flags))
     from streamapp.faust_compat import make_worker
+    from streamapp.logs import startup_block
 
-    make_worker(app, settings.log_level).execute_from_commandline()
+    banner = startup_block(settings, loaded)
+    make_worker(app, settings.log_level, banner).execute_from_commandline()
 
 
 @cli.command()
