@@ -545,16 +545,18 @@ def status(
     from streamapp.settings import load_settings
     from streamapp.status import run_status, supervised_urls
 
-    restarts = None
+    restarts = supervisor_dir = None
     if not urls:
         try:
             current = load_settings(data_dir=data_dir)
         except StreamAppError as exc:
             raise _fail(str(exc)) from None
         restarts = supervised_urls(current.data_dir)
+        supervisor_dir = current.data_dir if restarts else None
         urls = list(restarts) if restarts else [f"http://127.0.0.1:{current.web_port}"]
     raise typer.Exit(run_status(urls, interval_s=interval, watch=watch, top=top,
-                                discover_peers=discover, restarts=restarts))
+                                discover_peers=discover, restarts=restarts,
+                                supervisor_dir=supervisor_dir))
 
 
 def main() -> None:
