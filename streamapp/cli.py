@@ -1,13 +1,14 @@
-"""The ``streamapp`` command line: ``broker``, ``worker``, ``publish``, ``demo``, ``settings`` and
-``dlq tail`` / ``dlq replay``."""
+"""The ``streamapp`` command line: ``broker``, ``worker``, ``publish``, ``demo``, ``settings``,
+``status``, ``results tail`` and ``dlq tail`` / ``dlq replay``."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import sys
+from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, Optional, TypeVar
 
 import typer
 from aiokafka.errors import KafkaError
@@ -150,7 +151,7 @@ def worker(
             from streamapp.app import create_app
 
             app = create_app(settings)
-            app.streamapp_runtime.preload()  # type: ignore[attr-defined]
+            loaded = app.streamapp_runtime.preload()  # type: ignore[attr-defined]
         # Create our topics with the configured partition count before Faust touches them:
         # brokers that auto-create topics (Tansu does) would otherwise pick their default.
         create_topics(
@@ -166,8 +167,10 @@ def worker(
 
         raise typer.Exit(run_supervisor(settings, processes or 1, flags))
     from streamapp.faust_compat import make_worker
+    from streamapp.logs import startup_block
 
-    make_worker(app, settings.log_level).execute_from_commandline()
+    banner = startup_block(settings, loaded)
+    make_worker(app, settings.log_level, banner).execute_from_commandline()
 
 
 @cli.command()
@@ -263,14 +266,15 @@ def settings(
 
 # -- dlq ------------------------------------------------------------------------------------------
 
-dlq_cli = typer.Typer(
-    name="dlq",
-    help="Inspect and replay dead letters (the inference-dlq topic).",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
-cli.add_typer(dlq_cli, name="dlq")
+def _command_group(name: str, help: str) -> typer.Typer:
+    """A ``streamapp NAME ...`` group of subcommands."""
+    group = typer.Typer(name=name, help=help, no_args_is_help=True, add_completion=False,
+                        pretty_exceptions_enable=False)
+    cli.add_typer(group, name=name)
+    return group
+
+
+dlq_cli = _command_group("dlq", "Inspect and replay dead letters (the inference-dlq topic).")
 
 TopicPrefix = Annotated[
     Optional[str], typer.Option(help="Topic name prefix (env STREAMAPP_TOPIC_PREFIX).")
@@ -278,12 +282,18 @@ TopicPrefix = Annotated[
 Device = Annotated[Optional[str], typer.Option("--device", "-d", help="Only this device_id.")]
 Since = Annotated[
     Optional[str],
-    typer.Option(help="Only dead letters since: a duration (10m, 2h, 1h30m), epoch seconds or "
+    typer.Option(help="Only records since: a duration (10m, 2h, 1h30m), epoch seconds or "
                  "ISO 8601 (2026-05-01T12:00:00Z)."),
 ]
+Follow = Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new records until "
+                   "Ctrl-C.")]
+Limit = Annotated[int, typer.Option("--limit", "-n", min=0, help="Show the last N matching "
+                  "records (0: all).")]
+
+_E = TypeVar("_E")
 
 
-def _dlq_context(broker: str | None, topic_prefix: str | None) -> tuple[Any, dict[str, Any]]:
+def _topic_context(broker: str | None, topic_prefix: str | None) -> tuple[Any, dict[str, Any]]:
     from streamapp.kafka import kafka_security_options
     from streamapp.settings import load_settings
 
@@ -295,7 +305,7 @@ def _dlq_context(broker: str | None, topic_prefix: str | None) -> tuple[Any, dic
 
 
 def _since(since: str | None) -> float | None:
-    from streamapp.dlq import parse_since
+    from streamapp.tail import parse_since
 
     if since is None:
         return None
@@ -303,6 +313,42 @@ def _since(since: str | None) -> float | None:
         return parse_since(since)
     except ValueError as exc:
         raise _fail(str(exc), 2) from None
+
+
+async def _print_tail(
+    reader: Any,
+    *,
+    keep: Callable[[_E], bool],
+    order: Callable[[_E], Any],
+    limit: int,
+    follow: bool,
+    show: Callable[[list[_E], bool], None],
+    summary: Callable[[int, int, int], str],
+) -> None:
+    """The body of a ``tail`` command: read ``reader`` to its end, print the last ``limit``
+    entries that ``keep`` accepts in ``order``, a ``summary(shown, matching, read)`` line on
+    stderr, then (``follow``) every new matching entry until Ctrl-C."""
+    everything: list[_E] = await reader.read_to_end()
+    matching = sorted((e for e in everything if keep(e)), key=order)
+    shown = matching[-limit:] if limit else matching
+    show(shown, bool(shown) or follow)
+    typer.echo(summary(len(shown), len(matching), len(everything)), err=True)
+    if follow:
+        async for entry in reader.follow():
+            if keep(entry):
+                show([entry], False)
+
+
+def _run_tail(bootstrap: str, run: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    """``asyncio.run(run())`` with our errors as one line, and Ctrl-C as a clean end."""
+    try:
+        asyncio.run(run())
+    except StreamAppError as exc:
+        raise _fail(str(exc)) from None
+    except KafkaError as exc:
+        raise _fail(_unreachable(bootstrap, exc)) from None
+    except KeyboardInterrupt:
+        pass
 
 
 @dlq_cli.command("tail")
@@ -313,10 +359,8 @@ def dlq_tail(
                       "code.")] = None,
     device: Device = None,
     since: Since = None,
-    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new dead "
-                      "letters until Ctrl-C.")] = False,
-    limit: Annotated[int, typer.Option("--limit", "-n", min=0, help="Show the last N matching "
-                     "dead letters (0: all).")] = 50,
+    follow: Follow = False,
+    limit: Limit = 50,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per line (the "
                        "dead letter, key and value base64, plus its dlq position).")] = False,
 ) -> None:
@@ -329,10 +373,10 @@ def dlq_tail(
         format_json_lines,
     )
 
-    settings, security = _dlq_context(broker, topic_prefix)
+    settings, security = _topic_context(broker, topic_prefix)
     where = DeadLetterFilter(reason=reason, device=device, since=_since(since))
 
-    def show(entries: list[DeadLetterEntry], *, header: bool) -> None:
+    def show(entries: list[DeadLetterEntry], header: bool) -> None:
         text = (
             format_json_lines(entries)
             if as_json
@@ -345,30 +389,18 @@ def dlq_tail(
         async with DeadLetterReader(
             settings.bootstrap_servers, settings.dlq_topic, security=security
         ) as reader:
-            everything = await reader.read_to_end()
-            matching = [e for e in everything if where.matches(e)]
-            matching.sort(key=lambda e: (e.failed_at, e.partition, e.offset))
-            shown = matching[-limit:] if limit else matching
-            show(shown, header=bool(shown) or follow)
-            skipped = f", {reader.skipped} not decodable" if reader.skipped else ""
-            typer.echo(
-                f"{len(shown)} shown of {len(matching)} matching ({where.describe()}) of "
-                f"{len(everything)} dead letters in {settings.dlq_topic}{skipped}",
-                err=True,
-            )
-            if follow:
-                async for entry in reader.follow():
-                    if where.matches(entry):
-                        show([entry], header=False)
+            def summary(shown: int, matching: int, read: int) -> str:
+                skipped = f", {reader.skipped} not decodable" if reader.skipped else ""
+                return (f"{shown} shown of {matching} matching ({where.describe()}) of "
+                        f"{read} dead letters in {settings.dlq_topic}{skipped}")
 
-    try:
-        asyncio.run(run())
-    except StreamAppError as exc:
-        raise _fail(str(exc)) from None
-    except KafkaError as exc:
-        raise _fail(_unreachable(settings.bootstrap_servers, exc)) from None
-    except KeyboardInterrupt:
-        pass
+            await _print_tail(
+                reader, keep=where.matches,
+                order=lambda e: (e.failed_at, e.partition, e.offset),
+                limit=limit, follow=follow, show=show, summary=summary,
+            )
+
+    _run_tail(settings.bootstrap_servers, run)
 
 
 @dlq_cli.command("replay")
@@ -390,7 +422,7 @@ def dlq_replay(
     from streamapp.codecs import REASONS
     from streamapp.dlq import DeadLetterFilter, replay_dead_letters
 
-    settings, security = _dlq_context(broker, topic_prefix)
+    settings, security = _topic_context(broker, topic_prefix)
     where = DeadLetterFilter(reason=reason, device=device, since=_since(since))
     if reason not in REASONS:
         typer.secho(
@@ -424,6 +456,71 @@ def dlq_replay(
         )
 
 
+# -- results -------------------------------------------------------------------------------------
+
+results_cli = _command_group("results", "Read the predictions (the inference-result topic).")
+
+
+@results_cli.command("tail")
+def results_tail(
+    broker: Broker = None,
+    topic_prefix: TopicPrefix = None,
+    device: Device = None,
+    since: Since = None,
+    follow: Follow = False,
+    limit: Limit = 50,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per line (the "
+                       "result plus its record position).")] = False,
+) -> None:
+    """Show results, one 80-column line each: device, seq, model and engine, top label and
+    score, end-to-end latency (ms). Oldest first; a record that is not a result gets a line
+    saying why."""
+    from streamapp.results import (
+        RESULT_HEADER,
+        ResultEntry,
+        ResultReader,
+        format_result_json,
+        format_result_line,
+    )
+    from streamapp.tail import iso_utc
+
+    settings, security = _topic_context(broker, topic_prefix)
+    since_s = _since(since)
+
+    def show(entries: list[ResultEntry], header: bool) -> None:
+        if as_json:
+            text = format_result_json(entries)
+        else:
+            text = "\n".join([RESULT_HEADER] * header + [format_result_line(e) for e in entries])
+        if text:
+            typer.echo(text)
+
+    async def run() -> None:
+        async with ResultReader(
+            settings.bootstrap_servers, settings.result_topic, security=security
+        ) as reader:
+            if since_s is not None:
+                await reader.start_at_time(since_s)
+            elif device is None and limit:
+                await reader.start_at_last(limit)  # else: a device's results may be anywhere
+            described = " ".join(
+                ([f"device={device}"] if device is not None else [])
+                + ([f"since={iso_utc(since_s)}"] if since_s is not None else [])
+            ) or "all"
+
+            def summary(shown: int, matching: int, read: int) -> str:
+                return (f"{shown} shown of {matching} matching ({described}) of {read} "
+                        f"records read from {settings.result_topic}")
+
+            await _print_tail(
+                reader, keep=lambda e: device is None or e.device == device,
+                order=lambda e: (e.timestamp_ms, e.partition, e.offset),
+                limit=limit, follow=follow, show=show, summary=summary,
+            )
+
+    _run_tail(settings.bootstrap_servers, run)
+
+
 # -- status (streamapp.status) -------------------------------------------------------------------
 
 
@@ -448,16 +545,18 @@ def status(
     from streamapp.settings import load_settings
     from streamapp.status import run_status, supervised_urls
 
-    restarts = None
+    restarts = supervisor_dir = None
     if not urls:
         try:
             current = load_settings(data_dir=data_dir)
         except StreamAppError as exc:
             raise _fail(str(exc)) from None
         restarts = supervised_urls(current.data_dir)
+        supervisor_dir = current.data_dir if restarts else None
         urls = list(restarts) if restarts else [f"http://127.0.0.1:{current.web_port}"]
     raise typer.Exit(run_status(urls, interval_s=interval, watch=watch, top=top,
-                                discover_peers=discover, restarts=restarts))
+                                discover_peers=discover, restarts=restarts,
+                                supervisor_dir=supervisor_dir))
 
 
 def main() -> None:

@@ -2,9 +2,8 @@
 
 Used by ``streamapp dlq tail`` and ``streamapp dlq replay``, and by tests. The topic is read with a
 plain aiokafka consumer (no group, nothing committed) from the beginning up to its end *as of the
-start of the read*. That end is the high watermark of the first fetch response of each partition,
-not a ListOffsets answer: Tansu answers ListOffsets "latest" wrongly after multi-record batches
-(docs/broker.md), and the fetch high watermark is right on every broker.
+start of the read* (:class:`streamapp.tail.TopicReader`: the end is the fetch high watermark,
+right on every broker, not Tansu's wrong ListOffsets answer).
 
 A replay re-publishes each matching dead letter's *original* key and value, byte for byte, to the
 request topic. The worker sees a brand-new request (attempt 0, no retry history), so a replay
@@ -16,21 +15,18 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 import shutil
-import time
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka import AIOKafkaProducer, TopicPartition
 from aiokafka.structs import ConsumerRecord
 
 from streamapp.codecs import dead_letter_to_dict, decode_dead_letter
-from streamapp.exceptions import BrokerError
-from streamapp.kafka import partitions_of, start_or_close
+from streamapp.kafka import start_or_close
 from streamapp.records import DeadLetter
+from streamapp.tail import TopicReader, cell, iso_utc, parse_since
 
 __all__ = [
     "DeadLetterEntry",
@@ -46,49 +42,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-_UNITS_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86_400.0, "w": 604_800.0}
-_RELATIVE = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d|w)")
-
-
-def parse_since(text: str, *, now: float | None = None) -> float:
-    """Parse a ``--since`` value into epoch seconds.
-
-    Args:
-        text: A duration before now (``"90s"``, ``"10m"``, ``"2h"``, ``"1d"``, ``"1h30m"``;
-            units ms, s, m, h, d, w), epoch seconds (``"1796000000"``, ``"1796000000.5"``), or
-            an ISO 8601 time (``"2026-05-01T12:00:00Z"``, ``"2026-05-01"``; without a zone it
-            is local time).
-        now: The clock for durations (default: ``time.time()``).
-
-    Returns:
-        Epoch seconds.
-
-    Raises:
-        ValueError: None of these forms; the message shows examples.
-    """
-    value = text.strip()
-    if not value:
-        raise ValueError("--since is empty; give e.g. 10m, 2h, 1796000000 or 2026-05-01T12:00Z")
-    if re.fullmatch(rf"(?:{_RELATIVE.pattern})+", value):
-        seconds = sum(float(n) * _UNITS_S[u] for n, u in _RELATIVE.findall(value))
-        return (time.time() if now is None else now) - seconds
-    try:
-        epoch = float(value)
-    except ValueError:
-        pass
-    else:
-        if epoch < 0 or epoch != epoch or epoch == float("inf"):
-            raise ValueError(f"--since {text!r} is not a time")
-        return epoch
-    try:
-        return datetime.fromisoformat(value).timestamp()
-    except ValueError:
-        raise ValueError(
-            f"--since {text!r} is not a duration (10m, 2h, 1h30m), epoch seconds or an ISO 8601 "
-            "time (2026-05-01T12:00:00Z)"
-        ) from None
-
 
 @dataclass(frozen=True, slots=True)
 class DeadLetterEntry:
@@ -158,126 +111,21 @@ class DeadLetterFilter:
         if self.device is not None:
             parts.append(f"device={self.device}")
         if self.since is not None:
-            parts.append(f"since={_iso(self.since)}")
+            parts.append(f"since={iso_utc(self.since)}")
         return " ".join(parts) or "all"
 
 
-class DeadLetterReader:
+class DeadLetterReader(TopicReader[DeadLetterEntry]):
     """Reads a DLQ topic from the beginning, with no consumer group (nothing is committed).
 
     Use as ``async with DeadLetterReader(...) as reader:`` then :meth:`read_to_end` and,
-    optionally, :meth:`follow`.
+    optionally, :meth:`follow` (:class:`streamapp.tail.TopicReader`).
 
-    Args:
-        bootstrap_servers: ``host:port[,host:port]``.
-        topic: The DLQ topic (``settings.dlq_topic``).
-        security: aiokafka security options (:func:`streamapp.client.kafka_security_options`).
-        poll_ms: Longest wait of one poll.
-
-    Attributes:
-        skipped: Records that were not dead letters streamapp wrote (not decodable); logged
-            and left out.
+    ``topic`` is ``settings.dlq_topic``; ``skipped`` counts the records that were not dead
+    letters streamapp wrote (not decodable): logged and left out.
     """
 
-    def __init__(
-        self,
-        bootstrap_servers: str,
-        topic: str,
-        *,
-        security: Mapping[str, Any] | None = None,
-        poll_ms: int = 200,
-    ) -> None:
-        self.topic = topic
-        self.poll_ms = poll_ms
-        self.skipped = 0
-        self._consumer = AIOKafkaConsumer(
-            bootstrap_servers=bootstrap_servers,
-            group_id=None,
-            enable_auto_commit=False,
-            auto_offset_reset="earliest",
-            **(security or {}),
-        )
-        self._partitions: list[TopicPartition] = []
-        self._end: dict[TopicPartition, int] = {}
-        self._later: list[DeadLetterEntry] = []
-
-    async def __aenter__(self) -> DeadLetterReader:
-        await start_or_close(self._consumer)
-        try:
-            try:
-                partitions = await partitions_of(self._consumer, self.topic)
-            except RuntimeError:
-                raise BrokerError(
-                    f"topic {self.topic!r} does not exist; check --broker and the topic prefix "
-                    "(STREAMAPP_TOPIC_PREFIX)"
-                ) from None
-            self._partitions = [TopicPartition(self.topic, p) for p in sorted(partitions)]
-            self._consumer.assign(self._partitions)
-            await self._consumer.seek_to_beginning(*self._partitions)
-        except BaseException:
-            await self._consumer.stop()
-            raise
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self._consumer.stop()
-
-    async def read_to_end(self, *, timeout_s: float = 30.0) -> list[DeadLetterEntry]:
-        """Every dead letter up to the end of each partition as of the first fetch.
-
-        Returns:
-            Entries in topic order per partition, partitions in turn (so a device's letters,
-            which share a partition, stay in the order they were written).
-
-        Raises:
-            BrokerError: The end was not reached within ``timeout_s``.
-        """
-        deadline = time.monotonic() + timeout_s
-        entries: list[DeadLetterEntry] = []
-        while True:
-            for tp in self._partitions:
-                if tp not in self._end:
-                    high = self._consumer.highwater(tp)
-                    if high is not None:  # known once a fetch response for tp arrived
-                        self._end[tp] = high
-            if len(self._end) == len(self._partitions) and all(
-                [await self._consumer.position(tp) >= self._end[tp] for tp in self._partitions]
-            ):
-                break
-            if time.monotonic() > deadline:
-                raise BrokerError(
-                    f"could not read {self.topic!r} to its end within {timeout_s} s; is the "
-                    "broker reachable?"
-                )
-            batches = await self._consumer.getmany(timeout_ms=self.poll_ms)
-            for tp, records in batches.items():
-                end = self._end.get(tp)
-                for record in records:
-                    entry = self._decode(tp, record)
-                    if entry is None:
-                        continue
-                    if end is not None and record.offset >= end:
-                        self._later.append(entry)  # written after the read began
-                    else:
-                        entries.append(entry)
-        entries.sort(key=lambda e: (e.partition, e.offset))
-        return entries
-
-    async def follow(self) -> AsyncIterator[DeadLetterEntry]:
-        """Dead letters written after :meth:`read_to_end`'s end, as they arrive; never ends
-        by itself (cancel it, or break out of the loop)."""
-        later, self._later = self._later, []
-        for entry in later:
-            yield entry
-        while True:
-            batches = await self._consumer.getmany(timeout_ms=self.poll_ms)
-            for tp, records in sorted(batches.items()):
-                for record in records:
-                    decoded = self._decode(tp, record)
-                    if decoded is not None:
-                        yield decoded
-
-    def _decode(
+    def decode(
         self, tp: TopicPartition, record: ConsumerRecord[Any, Any]
     ) -> DeadLetterEntry | None:
         try:
@@ -403,15 +251,6 @@ _MAX = {"time": 24, "device": 20, "request_id": 28, "reason": 20, "stage": 10,
         "source": 36}
 
 
-def _iso(ts: float) -> str:
-    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
-
-
-def _cell(value: str, width: int) -> str:
-    value = value.replace("\n", " ")
-    return value if len(value) <= width else value[: max(width - 1, 0)] + "…"
-
-
 def _row(entry: DeadLetterEntry) -> dict[str, str]:
     letter = entry.letter
     source = letter.source or {}
@@ -419,7 +258,7 @@ def _row(entry: DeadLetterEntry) -> dict[str, str]:
     if device is None:
         device = "-" if letter.key is None else letter.key.decode("utf-8", "replace")
     return {
-        "time": _iso(entry.failed_at),
+        "time": iso_utc(entry.failed_at),
         "device": device,
         "request_id": letter.request_id or "-",
         "reason": entry.reason,
@@ -465,7 +304,7 @@ def format_entries(
     lines = ["  ".join(c.upper().ljust(widths[c]) for c in _COLUMNS).rstrip()] if header else []
     for row in rows:
         lines.append(
-            "  ".join(_cell(row[c], widths[c]).ljust(widths[c]) for c in _COLUMNS).rstrip()
+            "  ".join(cell(row[c], widths[c]).ljust(widths[c]) for c in _COLUMNS).rstrip()
         )
     return "\n".join(lines)
 

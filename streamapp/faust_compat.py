@@ -151,8 +151,28 @@ def producer_buffer_stalled(app: Any) -> bool:
     return bool(buffer.size > buffer.max_messages or getattr(buffer, "streamapp_flushing", 0))
 
 
-def make_worker(app: Any, loglevel: str) -> faust.Worker:
-    """A ``faust.Worker`` for ``app`` without Faust's terminal spinner.
+class Worker(faust.Worker):  # type: ignore[misc]
+    """Faust's worker with our log set-up (:func:`make_worker`); its name shows as
+    ``[^Worker]`` in the log, like Faust's."""
+
+    banner = ""
+
+    def on_setup_root_logger(self, logger: logging.Logger, level: int) -> None:
+        # Called once Faust configured logging, before its first line ("Starting...").
+        super().on_setup_root_logger(logger, level)
+        if level > logging.DEBUG:
+            from streamapp.logs import QuietChangelogs
+
+            for handler in logger.handlers:
+                handler.addFilter(QuietChangelogs())
+        if self.banner:
+            log.info("%s", self.banner)
+
+
+def make_worker(app: Any, loglevel: str, banner: str = "") -> faust.Worker:
+    """A ``faust.Worker`` for ``app`` without Faust's terminal spinner, whose log starts with
+    ``banner`` (:func:`streamapp.logs.startup_block`) and, above debug, leaves out Faust's
+    per-changelog-table INFO lines (:class:`streamapp.logs.QuietChangelogs`).
 
     With a log level of warning or above, Faust's worker keeps a progress spinner that it feeds
     from logging: it sets the *root logger* to DEBUG and adds a DEBUG handler, so every
@@ -160,8 +180,9 @@ def make_worker(app: Any, loglevel: str) -> faust.Worker:
     ``Logger.makeRecord`` under the producer's send path) that no handler prints. Without the
     spinner the root logger stays at ``loglevel``.
     """
-    worker = faust.Worker(app, loglevel=loglevel)
+    worker = Worker(app, loglevel=loglevel)
     worker.spinner = None
+    worker.banner = banner
     return worker
 
 

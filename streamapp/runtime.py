@@ -123,14 +123,18 @@ class WorkerRuntime:
                 await model.executor.close()
                 model.executor.engine.close()
 
-    def preload(self) -> None:
+    def preload(self) -> dict[str, LoadedModel]:
         """Load the models now, before the worker starts (so that a bad model, backend or
         device fails the start with one clear error instead of a crash loop).
+
+        Returns:
+            The loaded models by name (what the worker will serve).
 
         Raises:
             StreamAppError / EngineError: As :func:`load_models`.
         """
         self._preloaded = load_models(self.settings)
+        return self._preloaded
 
     async def _warm_up(self, name: str, model: LoadedModel) -> None:
         config = model.config

@@ -39,6 +39,7 @@ __all__ = [
     "histogram_quantile",
     "render",
     "run_status",
+    "stopped_children",
     "supervised_urls",
 ]
 
@@ -128,11 +129,17 @@ class WorkerStatus:
     p99_ms: float | None = None
     #: The p99 lies beyond the histogram's largest finite bucket: ``p99_ms`` is that bound.
     p99_beyond_buckets: bool = False
+    #: p50/p99 are since the worker started: nothing finished during the interval.
+    latency_all_time: bool = False
     mean_batch: float | None = None
+    #: ``mean_batch`` is since the worker started: no batch ran during the interval.
+    batch_all_time: bool = False
     inflight: int = 0
     lag: int = 0
     finished_total: int = 0
     restarts: int | None = None
+    #: The supervisor's word for a child that does not answer (``stopped``, ``failed``...).
+    stopped: str | None = None
     top_devices: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -159,6 +166,7 @@ def summarize(url: str, before: Snapshot, after: Snapshot) -> WorkerStatus:
     e2e = _delta(e2e_after, before.buckets("streamapp_e2e_duration_seconds"))
     if not e2e or max(e2e.values(), default=0) <= 0:
         e2e = e2e_after  # idle during the interval: since the worker started
+        status.latency_all_time = True
     for q, name in ((0.5, "p50_ms"), (0.99, "p99_ms")):
         value = histogram_quantile(q, e2e)
         setattr(status, name, None if value is None else value * 1000.0)
@@ -168,6 +176,7 @@ def summarize(url: str, before: Snapshot, after: Snapshot) -> WorkerStatus:
     if batches <= 0:
         batches, items = (after.total("streamapp_batch_size_count"),
                           after.total("streamapp_batch_size_sum"))
+        status.batch_all_time = True
     status.mean_batch = items / batches if batches > 0 else None
     status.inflight = int(after.total("streamapp_inflight_batches"))
     status.lag = int(after.total("streamapp_consumer_lag"))
@@ -197,6 +206,38 @@ def supervised_urls(data_dir: Path) -> dict[str, int] | None:
     if state is None:
         return None
     return {str(c["url"]).rstrip("/"): int(c.get("restarts", 0)) for c in state["children"]}
+
+
+def stopped_children(data_dir: Path) -> dict[str, str]:
+    """The children of a supervisor (``supervisor.json`` in ``data_dir``) that are not running:
+    web URL → what to show instead of their connection error, e.g. ``stopped (exit code 0)``,
+    or, for every child of a supervisor that is gone, ``stopped (supervisor pid 123 is not
+    running)``."""
+    from streamapp.supervisor import describe_exit, read_state
+
+    state = read_state(data_dir) or {"children": []}
+    pid = state.get("pid")
+    out = {}
+    for child in state["children"]:
+        url, rc = str(child["url"]).rstrip("/"), child.get("last_exit")
+        word = child.get("state", "running")
+        if word not in ("running", "starting"):
+            out[url] = f"{word} ({describe_exit(rc)})" if isinstance(rc, int) else str(word)
+        elif not _alive(pid):
+            out[url] = f"stopped (supervisor pid {pid} is not running)"
+    return out
+
+
+def _alive(pid: Any) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, someone else's
+        return True
+    return True
 
 
 def discover(urls: Sequence[str]) -> list[str]:
@@ -270,22 +311,27 @@ _COLUMNS = (
     ("req/s", "right", True), ("DLQ/s", "right", False), ("DLQ %", "right", True),
     ("retry/s", "right", False), ("p50 ms", "right", False), ("p99 ms", "right", True),
     ("batch", "right", False), ("in-flight", "right", False), ("lag", "right", True),
-    ("finished", "right", False),
+    ("finished*", "right", False),
 )
 
 
 def render(statuses: Iterable[WorkerStatus], *, top: int = 5, now: float | None = None,
-           width: int = 200) -> Group:
+           width: int = 200, interval_s: float | None = None) -> Group:
     """The status screen: one row per worker plus a total, the busiest devices, and the
-    workers that did not answer with their errors in full. ``width``: the console's width in
-    characters; below 120 the workers table shows its essential columns only (an 80-column
-    terminal cut every header of the full table to two letters)."""
+    workers that did not answer with their errors in full (or, for a supervisor's child that
+    stopped, its state). ``width``: the console's width in characters; below 120 the workers
+    table shows its essential columns only (an 80-column terminal cut every header of the full
+    table to two letters). ``interval_s``: the time between the two scrapes, named in the
+    caption; figures since the worker started (not over the interval) are marked ``*``."""
     statuses = list(statuses)
     now = time.time() if now is None else now
     wide = width >= _WIDE_COLUMNS
     keep = [wide or essential for _, _, essential in _COLUMNS]
     sep = " " if wide else "\n"  # narrow: the worker's address under its name
-    table = Table(title="streamapp workers", title_justify="left", expand=False)
+    over = f"over the last {interval_s:g} s" if interval_s else "over the interval"
+    table = Table(title="streamapp workers", title_justify="left", expand=False,
+                  caption=f"rates and latencies {over}; * since the worker started",
+                  caption_justify="left")
     for (name, justify, _), kept in zip(_COLUMNS, keep, strict=True):
         if kept:
             table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
@@ -293,9 +339,13 @@ def render(statuses: Iterable[WorkerStatus], *, top: int = 5, now: float | None 
     def row(*cells: Any) -> None:
         table.add_row(*(c for c, kept in zip(cells, keep, strict=True) if kept))
 
+    def all_time(flag: bool) -> str:
+        return "*" if flag else ""
+
     for s in statuses:
         if s.error:
-            row(s.url, Text("✗", style="red"), *["—"] * 10, Text("unreachable", style="red"))
+            word = "stopped" if s.stopped else "unreachable"
+            row(s.url, Text("✗", style="red"), *["—"] * 10, Text(word, style="red"))
             continue
         ready = Text("✓", style="green") if s.ready else Text("✗", style="red")
         restarts = f" [yellow]↻{s.restarts}[/yellow]" if s.restarts else ""
@@ -303,9 +353,12 @@ def render(statuses: Iterable[WorkerStatus], *, top: int = 5, now: float | None 
             f"{s.worker}{restarts}{sep}[dim]{s.url.split('://')[-1]}[/dim]", ready,
             str(s.partitions),
             f"{s.throughput_per_s:,.1f}", f"{s.dead_letters_per_s:,.1f}",
-            f"{100 * s.dlq_ratio:.1f}", f"{s.retries_per_s:,.1f}", _ms(s.p50_ms),
-            _ms(s.p99_ms, s.p99_beyond_buckets),
-            "—" if s.mean_batch is None else f"{s.mean_batch:.1f}", str(s.inflight), str(s.lag),
+            f"{100 * s.dlq_ratio:.1f}", f"{s.retries_per_s:,.1f}",
+            _ms(s.p50_ms) + all_time(s.latency_all_time and s.p50_ms is not None),
+            _ms(s.p99_ms, s.p99_beyond_buckets) + all_time(s.latency_all_time and s.p99_ms
+                                                            is not None),
+            "—" if s.mean_batch is None else f"{s.mean_batch:.1f}" + all_time(s.batch_all_time),
+            str(s.inflight), str(s.lag),
             f"{s.finished_total:,}",
         )
     ok = [s for s in statuses if not s.error]
@@ -319,7 +372,8 @@ def render(statuses: Iterable[WorkerStatus], *, top: int = 5, now: float | None 
             "[b]all[/b]", "", str(sum(s.partitions for s in ok)), f"{total:,.1f}", f"{dlq:,.1f}",
             f"{100 * dlq / total:.1f}" if total else "0.0",
             f"{sum(s.retries_per_s for s in ok):,.1f}", "",
-            _ms(None) if worst is None else _ms(worst.p99_ms, worst.p99_beyond_buckets), "",
+            _ms(None) if worst is None else _ms(worst.p99_ms, worst.p99_beyond_buckets)
+            + all_time(worst.latency_all_time), "",
             str(sum(s.inflight for s in ok)), str(sum(s.lag for s in ok)),
             f"{sum(s.finished_total for s in ok):,}",
         )
@@ -327,8 +381,8 @@ def render(statuses: Iterable[WorkerStatus], *, top: int = 5, now: float | None 
                      key=lambda d: (-(d.get("total") or 0), d.get("device_id", "")))[:top]
     dev_table = Table(title=f"top {top} devices", title_justify="left")
     dev_columns = (("device", "left", True), ("worker", "left", False),
-                   ("finished", "right", True), ("results", "right", False),
-                   ("dead letters", "right", True), ("last seq", "right", False),
+                   ("finished*", "right", True), ("results*", "right", False),
+                   ("dead letters*", "right", True), ("last seq", "right", False),
                    ("e2e EWMA ms", "right", True), ("last seen", "right", True))
     dev_keep = [wide or essential for _, _, essential in dev_columns]
     for (name, justify, _), kept in zip(dev_columns, dev_keep, strict=True):
@@ -344,19 +398,23 @@ def render(statuses: Iterable[WorkerStatus], *, top: int = 5, now: float | None 
             "—" if seen is None else f"{max(0.0, now - seen):.0f} s ago",
         )
         dev_table.add_row(*(c for c, kept in zip(cells, dev_keep, strict=True) if kept))
-    errors = [Text(f"✗ {s.url}: {s.error}", style="red") for s in statuses if s.error]
+    errors = [Text(f"✗ {s.url}: {s.stopped or s.error}", style="red")
+              for s in statuses if s.error]
     return Group(table, dev_table, *errors)
 
 
 def run_status(
     urls: Sequence[str], *, interval_s: float = 2.0, watch: bool = False, top: int = 5,
     discover_peers: bool = True, console: Console | None = None,
-    restarts: Mapping[str, int] | None = None,
+    restarts: Mapping[str, int] | None = None, supervisor_dir: Path | None = None,
 ) -> int:
     """Print the status screen (refreshing every ``interval_s`` with ``watch``).
 
     Args:
         restarts: Restarts by worker URL (supervised workers, :func:`supervised_urls`).
+        supervisor_dir: Where the supervisor's ``supervisor.json`` is: a child of it that does
+            not answer and is not running shows its state (:func:`stopped_children`), not a
+            connection error.
 
     Returns:
         0 when every worker answered and is ready, 1 otherwise.
@@ -369,22 +427,25 @@ def run_status(
 
     def gather() -> list[WorkerStatus]:
         statuses = collect(targets, interval_s=interval_s, top=top)
+        stopped = stopped_children(supervisor_dir) if supervisor_dir is not None else {}
         for s in statuses:
             s.restarts = (restarts or {}).get(s.url)
+            if s.error:
+                s.stopped = stopped.get(s.url)
         return statuses
 
     statuses = gather()
     if not watch:
-        console.print(render(statuses, top=top, width=console.width))
+        console.print(render(statuses, top=top, width=console.width, interval_s=interval_s))
         return 0 if all(s.ready and not s.error for s in statuses) else 1
     from rich.live import Live
 
-    with Live(render(statuses, top=top, width=console.width), console=console,
-              refresh_per_second=4) as live:
+    with Live(render(statuses, top=top, width=console.width, interval_s=interval_s),
+              console=console, refresh_per_second=4) as live:
         try:
             while True:
                 statuses = gather()
-                live.update(render(statuses, top=top, width=console.width))
+                live.update(render(statuses, top=top, width=console.width, interval_s=interval_s))
         except KeyboardInterrupt:
             pass
     return 0

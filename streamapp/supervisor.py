@@ -272,7 +272,7 @@ class _Child:
     process: asyncio.subprocess.Process | None = field(default=None, repr=False)
 
 
-def _describe_exit(rc: int) -> str:
+def describe_exit(rc: int) -> str:
     if rc < 0:
         with contextlib.suppress(ValueError):
             return f"signal {signal.Signals(-rc).name}"
@@ -388,7 +388,7 @@ class Supervisor:
                 self._failed = (
                     f"worker {i} crashed {child.quick_crashes} times in a row, each within "
                     f"{self.policy.stable_after_s:.0f} s of its start (last: "
-                    f"{_describe_exit(rc)}); gave up and stopped every worker. Its log lines "
+                    f"{describe_exit(rc)}); gave up and stopped every worker. Its log lines "
                     f"are the ones prefixed [{i}] above: fix the cause and start again."
                 )
                 self.request_stop(f"worker {i} is in a crash loop")
@@ -397,7 +397,7 @@ class Supervisor:
             child.state = "backoff"
             log.warning(
                 "supervisor: worker %d exited with %s after %.1f s; restart %d in %.1f s",
-                i, _describe_exit(rc), ran_s, child.restarts + 1, delay,
+                i, describe_exit(rc), ran_s, child.restarts + 1, delay,
             )
             self._write_state()
             with contextlib.suppress(asyncio.TimeoutError):
@@ -407,7 +407,7 @@ class Supervisor:
         child.state = "stopped" if clean else "failed"
         (log.info if clean else log.error)(
             "supervisor: worker %d stopped (%s)%s", i,
-            "not running" if child.last_exit is None else _describe_exit(child.last_exit),
+            "not running" if child.last_exit is None else describe_exit(child.last_exit),
             "" if clean else ": it did not stop cleanly",
         )
         self._write_state()

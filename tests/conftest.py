@@ -9,11 +9,13 @@ tests, which take ``apache_kafka`` or start their own cluster).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Literal
 from uuid import uuid4
 
 import pytest
+from typer.testing import CliRunner
 
 from engines import registry, testing
 from streamapp.broker import EmbeddedBroker
@@ -114,3 +116,14 @@ def test_backends(isolated_registry: dict[str, registry.Backend]) -> dict[str, r
     (:func:`engines.testing.register`), as only tests may do."""
     testing.register()
     return isolated_registry
+
+
+@pytest.fixture
+def runner() -> Iterator[CliRunner]:
+    """A CLI runner for ``streamapp.cli.cli`` with no ``STREAMAPP_*`` variable set, so that
+    only the test's flags count (the variables are back after the test)."""
+    saved = {k: v for k, v in os.environ.items() if k.startswith("STREAMAPP_")}
+    for k in saved:
+        del os.environ[k]
+    yield CliRunner()
+    os.environ.update(saved)

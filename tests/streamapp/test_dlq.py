@@ -1,16 +1,13 @@
-"""DLQ tooling: ``--since`` parsing, filters and the table (unit), then on the session broker:
-reading to the end (fetch high watermark), filters, replay counts and byte-exact re-published
-requests, ``--follow``, and the ``streamapp dlq`` commands."""
+"""DLQ tooling: filters and the table (unit; ``--since`` parsing is in test_tail.py), then on the
+session broker: reading to the end (fetch high watermark), filters, replay counts and byte-exact
+re-published requests, ``--follow``, and the ``streamapp dlq`` commands."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
 import json
-import os
 import time
-from collections.abc import Iterator
-from datetime import UTC, datetime
 
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
@@ -24,7 +21,6 @@ from streamapp.dlq import (
     DeadLetterFilter,
     DeadLetterReader,
     format_entries,
-    parse_since,
     read_dead_letters,
     replay_dead_letters,
 )
@@ -62,33 +58,6 @@ def letter(
 
 def entry(n: int, **kwargs: object) -> DeadLetterEntry:
     return DeadLetterEntry(letter(n, **kwargs), partition=0, offset=n, timestamp_ms=0)  # type: ignore[arg-type]
-
-
-# -- parse_since ----------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("text", "expected"),
-    [
-        ("10m", NOW - 600), ("90s", NOW - 90), ("2h", NOW - 7200), ("1d", NOW - 86_400),
-        ("1w", NOW - 604_800), ("1h30m", NOW - 5400), ("500ms", NOW - 0.5), ("1.5h", NOW - 5400),
-        ("1796000000", 1_796_000_000.0), ("1796000000.25", 1_796_000_000.25),
-        ("2026-05-01T12:00:00Z", datetime(2026, 5, 1, 12, tzinfo=UTC).timestamp()),
-        ("2026-05-01T12:00:00+02:00", datetime(2026, 5, 1, 10, tzinfo=UTC).timestamp()),
-    ],
-)
-def test_parse_since(text: str, expected: float) -> None:
-    assert parse_since(text, now=NOW) == pytest.approx(expected)
-
-
-def test_parse_since_naive_iso_is_local_time() -> None:
-    assert parse_since("2026-05-01") == datetime(2026, 5, 1).timestamp()
-
-
-@pytest.mark.parametrize("text", ["", "yesterday", "10 minutes", "-5", "10x", "nan", "m10"])
-def test_parse_since_rejects_with_examples(text: str) -> None:
-    with pytest.raises(ValueError, match="since"):
-        parse_since(text, now=NOW)
 
 
 # -- filters and formatting -----------------------------------------------------------------------
@@ -409,15 +378,6 @@ async def test_follow_yields_letters_written_after_the_end(topics: Settings) -> 
 # -- the commands ----------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def runner() -> Iterator[CliRunner]:
-    saved = {k: v for k, v in os.environ.items() if k.startswith("STREAMAPP_")}
-    for k in saved:
-        del os.environ[k]
-    yield CliRunner()
-    os.environ.update(saved)
-
-
 def _args(settings: Settings, *more: str) -> list[str]:
     return ["--broker", settings.broker, "--topic-prefix", settings.topic_prefix, *more]
 
@@ -477,11 +437,3 @@ def test_cli_replay_requires_a_reason(runner: CliRunner) -> None:
 
     assert result.exit_code == 2
     assert "--reason" in result.output
-
-
-def test_cli_bad_since_exits_2(runner: CliRunner) -> None:
-    result = runner.invoke(cli, ["dlq", "tail", "--broker", "kafka://127.0.0.1:1",
-                                 "--since", "last tuesday"])
-
-    assert result.exit_code == 2
-    assert "ISO 8601" in result.output

@@ -4,6 +4,9 @@ workers served over HTTP."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -151,6 +154,60 @@ def test_without_urls_status_shows_the_children_a_supervisor_lists(
     assert "w1 ↻2" in result.output  # child 0, restarted twice
     assert "127.0.0.1:9" in result.output and "unreachable" in result.output  # child 1 is down
     assert result.exit_code == 1
+
+
+@pytest.mark.parametrize(("supervisor_pid", "child", "reads"), [
+    ("self", {"state": "stopped", "last_exit": 0}, "stopped (exit code 0)"),
+    ("self", {"state": "failed", "last_exit": -9}, "failed (signal SIGKILL)"),
+    ("gone", {"state": "running", "last_exit": None}, "stopped (supervisor pid {pid} is not "
+                                                      "running)"),
+])
+def test_a_supervised_worker_that_stopped_reads_stopped_not_a_connection_error(
+    fake_worker: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, supervisor_pid: str,
+    child: dict[str, Any], reads: str,
+) -> None:
+    from typer.testing import CliRunner
+
+    from streamapp.cli import cli
+
+    if supervisor_pid == "self":
+        pid = os.getpid()
+    else:  # a pid that was just freed
+        proc = subprocess.Popen([sys.executable, "-c", "pass"])
+        proc.wait()
+        pid = proc.pid
+    (tmp_path / "supervisor.json").write_text(json.dumps({"pid": pid, "children": [
+        {"index": 0, "url": fake_worker, "restarts": 0, "state": "running"},
+        {"index": 1, "url": "http://127.0.0.1:9", "restarts": 1, **child},
+    ]}))
+    monkeypatch.setenv("COLUMNS", "200")
+    result = CliRunner().invoke(cli, ["status", "--data-dir", str(tmp_path), "--interval",
+                                      "0.1", "--no-discover"])
+
+    assert f"✗ http://127.0.0.1:9: {reads.format(pid=pid)}" in result.output
+    assert "unreachable" not in result.output and "Connection refused" not in result.output
+    assert result.exit_code == 1
+
+
+def test_figures_since_the_worker_started_are_marked() -> None:
+    from streamapp.status import render
+
+    idle = Snapshot.parse(metrics_text(100, 0, 100, 100, 10), at=10.0)
+    s = summarize("http://w1", idle, Snapshot.parse(metrics_text(100, 0, 100, 100, 10), at=12.0))
+    busy = summarize("http://w2", idle, Snapshot.parse(metrics_text(290, 10, 100, 290, 20),
+                                                       at=12.0))
+    assert s.latency_all_time and s.batch_all_time
+    assert not busy.latency_all_time and not busy.batch_all_time
+    console = Console(record=True, width=200)
+    console.print(render([s, busy], width=200, interval_s=2.0))
+    screen = console.export_text()
+
+    assert "rates and latencies over the last 2 s; * since the worker started" in screen
+    assert "finished*" in screen and "dead letters*" in screen
+    idle_row = next(line for line in screen.splitlines() if "w1" in line)
+    busy_row = next(line for line in screen.splitlines() if "w2" in line)
+    assert idle_row.count("*") == 3  # p50, p99, batch
+    assert "*" not in busy_row
 
 
 def test_a_p99_beyond_the_last_bucket_is_shown_as_a_lower_limit() -> None:

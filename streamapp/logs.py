@@ -1,0 +1,74 @@
+"""What the worker's log says first, and which of Faust's INFO lines it leaves out.
+
+:func:`startup_block` is the first thing a worker logs: where it is (web URL, broker, topics,
+models with their engine tags, backend, data dir). :class:`QuietChangelogs` drops Faust's lines
+per changelog table and partition at INFO (each table's and store's start and stop, the
+changelog topics' creation, RocksDB's "opening partition", the recovery's highwater and offset
+tables, which grow with the partitions); warnings and errors still pass, and nothing is dropped
+at ``log_level=debug``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from streamapp.settings import Settings
+from streamapp.state import advertised_host
+
+__all__ = ["QuietChangelogs", "startup_block"]
+
+#: Faust's loggers of tables, stores and their recovery.
+_TABLE_LOGGERS = ("faust.tables", "faust.stores")
+
+
+class QuietChangelogs(logging.Filter):
+    """A handler filter that drops Faust's per-table and per-changelog INFO records.
+
+    Kept from those loggers: records of WARNING and above, and one-line records other than a
+    service's start and stop and RocksDB's partition opening and closing (so that a long
+    restore's progress lines still show).
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.WARNING:
+            return True
+        if record.name.startswith(_TABLE_LOGGERS):
+            message = record.getMessage()
+            return not (
+                "\n" in message  # the recovery's tables, one row per changelog partition
+                or message.endswith(("Starting...", "Stopping..."))
+                or message.startswith(("opening partition", "Closing rocksdb"))
+            )
+        # The producer creating each table's changelog topic (at start and again at recovery).
+        return not (record.name.startswith("faust.") and "-changelog'" in record.getMessage())
+
+
+def startup_block(settings: Settings, models: Mapping[str, Any]) -> str:
+    """The worker's first log record: several lines that say where it is.
+
+    Args:
+        settings: The worker's settings.
+        models: Model name → :class:`streamapp.agents.pipeline.LoadedModel` (its ``info``:
+            engine tag, device, precision, max batch size).
+    """
+    s = settings
+    web = f"http://{advertised_host(s)}:{s.web_port}"
+    lines = [
+        f"streamapp worker of group {s.app_id!r} ({s.topic_partitions} partitions per topic)",
+        f"  web      {web} (bound to {s.web_bind}; /ready, /metrics, /devices/{{id}})",
+        f"  broker   {s.broker} ({s.broker_kind})",
+        f"  reads    {s.request_topic}, {s.retry_topic}",
+        f"  writes   {s.result_topic}, {s.dlq_topic}",
+    ]
+    for n, (name, model) in enumerate(models.items()):
+        info = model.info
+        lines.append(
+            f"  {'models' if n == 0 else '':8} {name} {info.tag} ({info.device}, {info.precision}"
+            f", max batch {info.max_batch_size})"
+        )
+    chosen = sorted({m.info.backend for m in models.values()})
+    backend = s.backend if chosen == [s.backend] else f"{s.backend} ({', '.join(chosen)})"
+    lines += [f"  backend  {backend}", f"  data dir {s.data_dir.absolute()}"]
+    return "\n".join(lines)

@@ -1,0 +1,72 @@
+"""The worker log's first block and the Faust INFO lines it leaves out (unit); the log of a real
+worker is checked in tests/integration/test_worker_log.py."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from engines.base import EngineInfo
+from streamapp.logs import QuietChangelogs, startup_block
+from streamapp.settings import load_settings
+
+
+def record(name: str, message: str, level: int = logging.INFO, *args: object) -> logging.LogRecord:
+    return logging.LogRecord(name, level, __file__, 1, message, args, None)
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("faust.tables.table", "[^---Table: device_stats]: Starting..."),
+        ("faust.stores.rocksdb", "[^----Store: rocksdb:device_stats]: Stopping..."),
+        ("faust.stores.rocksdb", "opening partition 3 for gen id 0 app id 0"),
+        ("faust.stores.rocksdb", "Closing rocksdb on stop"),
+        ("faust.tables.recovery", "[^---Recovery]: Highwater for active changelog partitions:\n"
+                                  "+Highwater - Active---+\n| t-changelog | 0 | -1 |"),
+        ("faust.transport.drivers.aiokafka", "[^--Producer]: Creating topic 'a-x-changelog'"),
+        ("faust.transport.drivers.aiokafka", "[^--Producer]: Topic 'a-x-changelog' created."),
+    ],
+)
+def test_per_changelog_info_lines_are_dropped(name: str, message: str) -> None:
+    assert QuietChangelogs().filter(record(name, message)) is False
+
+
+@pytest.mark.parametrize(
+    ("name", "message", "level"),
+    [
+        ("faust.tables.recovery", "[^---Recovery]: Highwater for active changelog partitions:\n"
+                                  "+---+", logging.WARNING),
+        ("faust.tables.recovery", "[^---Recovery]: Still fetching changelog topics for "
+                                  "recovery, estimated time remaining 3 minutes", logging.INFO),
+        ("faust.worker", "[^Worker]: Ready", logging.INFO),
+        ("faust.transport.drivers.aiokafka",
+         "[^--Producer]: Creating topic 'a-__assignor-__leader'", logging.INFO),
+        ("streamapp.pipeline", "model digits: JPEG frames decoded on the CPU", logging.INFO),
+    ],
+)
+def test_other_lines_pass(name: str, message: str, level: int) -> None:
+    assert QuietChangelogs().filter(record(name, message, level)) is True
+
+
+def test_startup_block_says_where_the_worker_is(tmp_path: Path) -> None:
+    settings = load_settings(broker="kafka://10.0.0.5:9092", app_id="cams", topic_prefix="prod.",
+                             web_port=6070, web_bind="0.0.0.0", web_host="gpu-3",
+                             data_dir=tmp_path, backend="auto", topic_partitions=12)
+    info = EngineInfo(backend="onnxruntime", model_path="m.onnx", model_sha256="1ec95d21" * 8,
+                      version="1.32.0", device="cpu", precision="fp32", max_batch_size=64)
+    block = startup_block(settings, {"digits": SimpleNamespace(info=info)})
+
+    assert block.splitlines() == [
+        "streamapp worker of group 'cams' (12 partitions per topic)",
+        "  web      http://gpu-3:6070 (bound to 0.0.0.0; /ready, /metrics, /devices/{id})",
+        f"  broker   kafka://10.0.0.5:9092 ({settings.broker_kind})",
+        "  reads    prod.inference-request, prod.inference-retry",
+        "  writes   prod.inference-result, prod.inference-dlq",
+        "  models   digits onnxruntime-1.32.0:1ec95d21 (cpu, fp32, max batch 64)",
+        "  backend  auto (onnxruntime)",
+        f"  data dir {tmp_path}",
+    ]
