@@ -1173,6 +1173,43 @@ async def test_enough_held_acks_flush_the_state_before_the_interval(
     assert source.acked == [m.offset for m in first + second]
 
 
+async def test_a_flush_waits_for_the_one_in_progress_before_the_commit_that_follows(
+    start_pipeline: StartPipeline, onnx_engine: Engine, images: np.ndarray
+) -> None:
+    # The periodic flush has taken the held acks and is still writing the state when a stop
+    # flushes: that flush must return only once those acks are applied, since the commit
+    # follows it (else the restarted worker answers those records again).
+    class SlowWriter(StateWriter):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate = asyncio.Event()
+            self.entered = asyncio.Event()
+
+        async def flush(self) -> None:
+            if not self.entered.is_set():  # only the first flush is slow
+                self.entered.set()
+                await self.gate.wait()
+            await super().flush()
+
+    sink, source, state = BatchFakeSink(auto_resolve=True), Source(), SlowWriter()
+    pipeline = await start_pipeline(ThreadExecutor(onnx_engine), sink, max_batch_size=4,
+                                    max_batch_delay_ms=1.0, observers=[state],
+                                    state_flush_interval_ms=3_600_000)
+    messages = [good(source, images[i], "dev-a", i) for i in range(4)]
+    await pipeline.handle_many(messages)
+    await wait_for(lambda: len(state.outcomes) == 4)
+    await settle()
+    first = asyncio.ensure_future(pipeline.flush_state())  # takes the 4 acks, then waits
+    await asyncio.wait_for(state.entered.wait(), 5)
+    second = asyncio.ensure_future(pipeline.flush_state())  # the stop's flush
+    await settle()
+    assert not second.done() and source.acked == []
+    state.gate.set()
+    await asyncio.wait_for(second, 5)
+    assert source.acked == [m.offset for m in messages]  # applied before the commit
+    await first
+
+
 async def test_a_record_batch_the_broker_refuses_is_sent_again_record_by_record(
     start_pipeline: StartPipeline, onnx_engine: Engine, images: np.ndarray
 ) -> None:
