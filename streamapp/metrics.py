@@ -100,7 +100,8 @@ METRIC_FAMILIES: tuple[tuple[str, str, str, str], ...] = (
     ("streamapp_engine_info", "info", "model, backend, engine, device, precision, "
      "max_batch_size", "The engine serving each model (value 1)."),
     ("streamapp_table_flushes_total", "counter", "",
-     "Times the device tables were written (once per batch)."),
+     "Times the device tables were written (once per state flush: state_flush_interval_ms, "
+     "or sooner after state_flush_max_records finished records)."),
     ("streamapp_table_rows_written_total", "counter", "",
      "Table rows written (stats rows and window buckets)."),
     ("streamapp_table_buckets_expired_total", "counter", "",

@@ -204,16 +204,18 @@ class Settings(BaseSettings):
     # -- Delivery: commits, retries ----------------------------------------------------------------
     commit_interval_ms: float = Field(
         50.0, gt=0,
-        description="How often finished source offsets are committed (ms); a crash re-delivers "
-        "at most what finished within one interval plus what was in flight.",
+        description="How often finished source offsets are committed (ms). A record is finished "
+        "once the device state flush after its outcome ran (state_flush_interval_ms, "
+        "state_flush_max_records); docs/delivery.md gives what a crash re-delivers.",
     )
     state_flush_interval_ms: float = Field(
         500.0, ge=0,
         description="How often device state (device_stats, window buckets) is written to its "
         "tables (ms): one row per device and table per flush, whatever the rate. A request "
         "offset is committed only after the flush that follows its outcome, so a crash "
-        "re-delivers at most what finished within one interval plus what was in flight. 0 "
-        "writes after every group of outcomes produced (the most changelog records).",
+        "re-delivers what was in flight, what finished since the last flush (at most "
+        "state_flush_max_records) and what finished within one commit_interval_ms. 0 writes "
+        "after every group of outcomes produced (the most changelog records).",
     )
     state_flush_max_records: int = Field(
         1024, ge=1,

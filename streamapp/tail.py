@@ -32,6 +32,10 @@ _UNITS_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86_400.0, "w": 6
 _RELATIVE = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d|w)")
 
 
+#: 9999-12-31T23:59:59Z: the last time Python's datetime (and so the output) can show.
+_LATEST_EPOCH_S = 253_402_300_799.0
+
+
 def parse_since(text: str, *, now: float | None = None) -> float:
     """Parse a ``--since`` value into epoch seconds.
 
@@ -61,6 +65,10 @@ def parse_since(text: str, *, now: float | None = None) -> float:
     else:
         if epoch < 0 or epoch != epoch or epoch == float("inf"):
             raise ValueError(f"--since {text!r} is not a time")
+        if epoch > _LATEST_EPOCH_S:
+            ms = epoch / 1000 <= _LATEST_EPOCH_S
+            hint = " (epoch milliseconds? divide by 1000)" if ms else ""
+            raise ValueError(f"--since {text!r} is after the year 9999: give epoch seconds{hint}")
         return epoch
     try:
         return datetime.fromisoformat(value).timestamp()

@@ -40,10 +40,21 @@ def test_parse_since_naive_iso_is_local_time() -> None:
     assert parse_since("2026-05-01") == datetime(2026, 5, 1).timestamp()
 
 
-@pytest.mark.parametrize("text", ["", "yesterday", "10 minutes", "-5", "10x", "nan", "m10"])
+@pytest.mark.parametrize("text", ["", "yesterday", "10 minutes", "-5", "10x", "nan", "m10",
+                                  "99999999999999", "1e300"])
 def test_parse_since_rejects_with_examples(text: str) -> None:
     with pytest.raises(ValueError, match="since"):
         parse_since(text, now=NOW)
+
+
+def test_epoch_milliseconds_get_a_hint_not_a_traceback(runner: CliRunner) -> None:
+    # a new user's first try: the millisecond timestamps their devices send (year 58888)
+    with pytest.raises(ValueError, match="epoch milliseconds"):
+        parse_since("1796164752040", now=NOW)
+    out = runner.invoke(cli, ["results", "tail", "--broker", "kafka://127.0.0.1:1",
+                              "--since", "1796164752040"])
+    assert out.exit_code == 2
+    assert "epoch milliseconds" in out.output and "Traceback" not in out.output
 
 
 @pytest.mark.parametrize("command", [["dlq", "tail"], ["dlq", "replay", "-r", "x"],
