@@ -4,7 +4,9 @@ A :class:`MicroBatcher` groups items by a batch key (model and input shape: batc
 models). A batch closes when it holds ``max_batch_size`` items, or ``max_batch_delay_ms`` after
 its *first* item arrived (tumbling-window semantics), whichever comes first — except that a batch
 whose delay has passed while every in-flight slot is busy keeps filling until a slot frees (it
-could not start earlier anyway): with a backlog, batches close full instead of on the delay.
+could not start earlier anyway), and one whose missing items are already waiting upstream
+(``backlog``) keeps filling up to ``max_batch_hold_ms``: with a backlog, batches close full
+instead of on the delay.
 This is the dynamic batcher's rule in NVIDIA Triton (a batch is formed when the model instance
 becomes free, up to the preferred size); the delay only bounds how long an item waits for
 company while the engine is *idle*.
@@ -144,6 +146,13 @@ class MicroBatcher(Generic[T]):
         max_inflight_batches: Batches running at once (>= 1).
         max_pending: Items accepted but not yet emitted before :meth:`put` waits. Default
             ``max_batch_size * (max_inflight_batches + 1)``.
+        backlog: ``() -> records`` waiting upstream that will reach :meth:`put` (e.g. the
+            assigned partitions' fetch high watermarks beyond the last record read). While it
+            covers what a batch lacks, a batch whose delay passed keeps filling, up to
+            ``max_batch_hold_ms`` after its first item: with a backlog the engine gets full
+            batches even when intake, not the engine, is the limit. None: never held.
+        max_batch_hold_ms: Longest a batch is held open for a backlog (ms, from its first
+            item; at least ``max_batch_delay_ms``).
         clock: Monotonic seconds; tests pass a fake.
         sleep: ``async sleep(seconds)``; tests pass a fake that follows the fake clock.
 
@@ -161,6 +170,8 @@ class MicroBatcher(Generic[T]):
         max_batch_delay_ms: float,
         max_inflight_batches: int,
         max_pending: int | None = None,
+        backlog: Callable[[], int] | None = None,
+        max_batch_hold_ms: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
     ) -> None:
@@ -185,6 +196,8 @@ class MicroBatcher(Generic[T]):
         self.max_batch_delay_s = max_batch_delay_ms / 1000.0
         self.max_inflight_batches = max_inflight_batches
         self.max_pending = max_pending
+        self._backlog = backlog
+        self.max_batch_hold_s = max(max_batch_hold_ms / 1000.0, self.max_batch_delay_s)
         self._clock = clock
         self._sleep = sleep
 
@@ -320,8 +333,23 @@ class MicroBatcher(Generic[T]):
         while not batch.closed and self._busy_slots() >= self.max_inflight_batches:
             batch.due = True
             await self._slot_freed.wait()
+        # Records already waiting upstream (a backlog in the assigned partitions) would fill
+        # this batch: keep it open for them, up to max_batch_hold_ms after its first item.
+        # Closing now would only give the engine a small batch while the rest waits.
+        hold_until = batch.opened_at + self.max_batch_hold_s
+        while not batch.closed and self._held_for_backlog(batch, hold_until):
+            batch.due = True
+            await self._sleep(min(self.max_batch_delay_s / 2 or 0.001,
+                                  hold_until - self._clock()))
         if not batch.closed:
             self._close(batch, "delay")
+
+    def _held_for_backlog(self, batch: _Batch[T], hold_until: float) -> bool:
+        if self._backlog is None or self._clock() >= hold_until:
+            return False
+        missing = self.max_batch_size - len(batch.slots)
+        # a backlog smaller than what is missing cannot fill it: close now
+        return missing > 0 and self._backlog() >= missing
 
     def _busy_slots(self) -> int:
         return self._inflight + self._ready.qsize() + self._dispatching

@@ -325,6 +325,15 @@ class FaustConsumer:
     async def commit(self, offsets: Mapping[tuple[str, int], int]) -> bool:
         return await commit_offsets(self.app, offsets)
 
+    def highwater(self, topic: str, partition: int) -> int | None:
+        """The partition's high watermark from the last fetch response (right on Tansu too), or
+        None while it is not assigned or not fetched yet."""
+        try:
+            mark = self.app.consumer.highwater(TP(topic, partition))
+        except Exception:  # not assigned (revoked), consumer not started
+            return None
+        return None if mark is None else int(mark)
+
     async def position(self, topic: str, partition: int) -> int | None:
         position = await self.app.consumer.position(TP(topic, partition))
         return None if position is None else int(position)

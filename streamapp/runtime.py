@@ -96,6 +96,7 @@ class WorkerRuntime:
                 pipeline = InferencePipeline(
                     self.settings, self.models, sink, worker=self.worker,
                     retry_store=retry_store, observers=observers,
+                    highwater=getattr(self._host, "highwater", None),
                 )
                 await pipeline.start()
                 self._retry_store = retry_store

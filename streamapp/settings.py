@@ -217,6 +217,14 @@ class Settings(BaseSettings):
         "state_flush_max_records) and what finished within one commit_interval_ms. 0 writes "
         "after every group of outcomes produced (the most changelog records).",
     )
+    max_batch_hold_ms: float = Field(
+        20.0, ge=0,
+        description="With a backlog in the worker's partitions (records in the broker beyond "
+        "the last one read, by the fetch high watermark), a batch not full when "
+        "max_batch_delay_ms passed keeps filling for the records already waiting, up to this "
+        "long after its first request (ms): full batches when intake, not the engine, is the "
+        "limit. At or below max_batch_delay_ms: never held.",
+    )
     state_flush_max_records: int = Field(
         1024, ge=1,
         description="Flush device state sooner, as soon as this many finished records wait "

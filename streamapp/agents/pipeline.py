@@ -232,6 +232,9 @@ class InferencePipeline:
         worker: Name put in results and dead letters.
         retry_store: Where attempt counters live; a dict when None.
         observers: Told about every outcome and batch (tables, metrics).
+        highwater: ``(topic, partition) -> high watermark`` of the last fetch (None when not
+            fetched): with it, a batch is held open for records already waiting in the broker
+            (``max_batch_hold_ms``, :meth:`backlog`). None: batches close on the delay.
     """
 
     def __init__(
@@ -243,6 +246,7 @@ class InferencePipeline:
         worker: str,
         retry_store: RetryStore | None = None,
         observers: Sequence[PipelineObserver] = (),
+        highwater: Callable[[str, int], int | None] | None = None,
     ) -> None:
         self.settings = settings
         self.models = dict(models)
@@ -276,12 +280,18 @@ class InferencePipeline:
         self._flusher: asyncio.Task[None] | None = None
         #: Producer futures whose acknowledgement has not arrived yet (see wait_acknowledged).
         self._outstanding: set[Any] = set()
+        #: (topic, partition) -> offset of the last record read (for the backlog estimate).
+        self._last_read: dict[tuple[str, int], int] = {}
+        self._highwater = highwater
+        hold_ms = float(getattr(settings, "max_batch_hold_ms", 0.0))
         self.batcher: MicroBatcher[_Work] = MicroBatcher(
             self._run_batch,
             emit_many=self._emit_many,
             max_batch_size=settings.max_batch_size,
             max_batch_delay_ms=settings.max_batch_delay_ms,
             max_inflight_batches=settings.max_inflight_batches,
+            backlog=self.backlog if highwater is not None and hold_ms > 0 else None,
+            max_batch_hold_ms=hold_ms,
         )
 
     async def start(self) -> None:
@@ -362,7 +372,9 @@ class InferencePipeline:
             return
         batcher = self.batcher
         await batcher.reserve()
+        last_read = self._last_read
         for message in messages:
+            last_read[(message.topic, message.partition)] = message.offset
             self.stats.received += 1
             work = _Work(message)
             undecodable = self._undecodable(message)
@@ -388,6 +400,19 @@ class InferencePipeline:
                 batcher.put_done_nowait(work, InternalError(f"{type(exc).__name__}: {exc}"))
                 continue
             batcher.put_nowait(work, key=request.model)
+
+    def backlog(self) -> int:
+        """Records waiting in the broker beyond the last one read, over the partitions read so
+        far that are still fetched: the fetch high watermark minus the next offset to read
+        (records Faust fetched but has not handed over yet count as waiting)."""
+        highwater, waiting = self._highwater, 0
+        if highwater is None:
+            return 0
+        for (topic, partition), offset in self._last_read.items():
+            mark = highwater(topic, partition)
+            if mark is not None and mark > offset + 1:
+                waiting += mark - offset - 1
+        return waiting
 
     async def reject(self, message: SourceMessage, error: InvalidRequestError) -> None:
         """Send a record that cannot be processed at all straight to the DLQ, in read order."""

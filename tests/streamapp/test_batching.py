@@ -262,6 +262,45 @@ async def test_a_due_batch_that_fills_while_slots_are_busy_closes_by_size() -> N
         assert batcher.stats.closed_by_size == 2 and batcher.stats.closed_by_delay == 0
 
 
+async def test_a_batch_is_held_for_a_backlog_that_would_fill_it_then_closes_full() -> None:
+    rec, clock = Recorder(), FakeClock()
+    waiting = [6]  # records waiting upstream (e.g. beyond the last offset read)
+    async with make(rec, clock, max_batch_size=4, max_batch_delay_ms=5,
+                    max_batch_hold_ms=20, backlog=lambda: waiting[0]) as batcher:
+        await batcher.put(0)
+        clock.advance(0.010)  # past the 5 ms delay, an idle engine: held for the backlog
+        await settle()
+        assert rec.batches == []
+        for i in (1, 2, 3):
+            waiting[0] -= 1
+            await batcher.put(i)
+        await wait_for(lambda: len(rec.batches) == 1)
+        assert rec.batches[0] == (None, [0, 1, 2, 3])
+        assert batcher.stats.closed_by_size == 1 and batcher.stats.closed_by_delay == 0
+
+
+async def test_a_held_batch_closes_at_the_hold_limit_or_when_the_backlog_cannot_fill_it(
+) -> None:
+    rec, clock = Recorder(), FakeClock()
+    waiting = [10]
+    async with make(rec, clock, max_batch_size=4, max_batch_delay_ms=5,
+                    max_batch_hold_ms=20, backlog=lambda: waiting[0]) as batcher:
+        await batcher.put("a")  # the backlog never arrives (e.g. the consumer is paused)
+        clock.advance(0.015)
+        await settle()
+        assert rec.batches == []
+        clock.advance(0.005)  # 20 ms after its first item: closes with what it has
+        await wait_for(lambda: len(rec.batches) == 1)
+        assert rec.batches[0] == (None, ["a"])
+
+        waiting[0] = 2  # fewer than the 3 missing: holding would not fill it
+        await batcher.put("b")
+        clock.advance(0.005)
+        await wait_for(lambda: len(rec.batches) == 2)
+        assert rec.batches[1] == (None, ["b"])
+        assert batcher.stats.closed_by_delay == 2
+
+
 async def test_emit_many_gets_every_ready_completion_in_put_order() -> None:
     rec, clock = Recorder(), FakeClock()
     rec.gated = True

@@ -184,7 +184,7 @@ async def start_pipeline(digits_config: ModelConfig) -> AsyncIterator[StartPipel
 
     async def start(
         executor: ThreadExecutor, sink: FakeSink, *, retry_store: Any = None,
-        observers: Sequence[Any] = (), **settings: Any
+        observers: Sequence[Any] = (), highwater: Any = None, **settings: Any
     ) -> InferencePipeline:
         options: dict[str, Any] = {
             "max_batch_size": 4,
@@ -201,6 +201,7 @@ async def start_pipeline(digits_config: ModelConfig) -> AsyncIterator[StartPipel
             worker=WORKER,
             retry_store=retry_store,
             observers=observers,
+            highwater=highwater,
         )
         await pipeline.start()
         started.append((pipeline, executor))
@@ -1208,6 +1209,29 @@ async def test_a_flush_waits_for_the_one_in_progress_before_the_commit_that_foll
     await asyncio.wait_for(second, 5)
     assert source.acked == [m.offset for m in messages]  # applied before the commit
     await first
+
+
+async def test_a_backlog_in_the_partitions_holds_a_batch_until_it_is_full(
+    start_pipeline: StartPipeline, onnx_engine: Engine, images: np.ndarray,
+    offline_probs: Callable[[int], np.ndarray],
+) -> None:
+    # Records arrive in small chunks while the broker holds more beyond the last offset read
+    # (the fetch high watermark): the batch waits for them instead of closing on its 5 ms delay.
+    sink, source = BatchFakeSink(auto_resolve=True), Source()
+    messages = [good(source, images[i], "dev-a", i) for i in range(8)]
+    marks = {(messages[0].topic, messages[0].partition): messages[-1].offset + 1}
+    pipeline = await start_pipeline(ThreadExecutor(onnx_engine), sink, max_batch_size=8,
+                                    max_batch_delay_ms=5.0, max_batch_hold_ms=10_000,
+                                    highwater=lambda t, p: marks.get((t, p)))
+    for i in range(0, 8, 2):
+        await pipeline.handle_many(messages[i:i + 2])
+        assert pipeline.backlog() == 8 - (i + 2)
+        await asyncio.sleep(0.02)  # 4 × the delay between chunks
+    await wait_for(lambda: len(sink.sent) == 8)
+    results = results_of(sink, pipeline)
+    assert {r["batch_size"] for r in results} == {8}
+    assert [r["outputs"]["top_k"][0]["label"] for r in results] == [
+        top_label(offline_probs(i)) for i in range(8)]
 
 
 async def test_a_record_batch_the_broker_refuses_is_sent_again_record_by_record(
