@@ -127,7 +127,8 @@ class WorkerStatus:
     retries_per_s: float = 0.0
     p50_ms: float | None = None
     p99_ms: float | None = None
-    #: The p99 lies beyond the histogram's largest finite bucket: ``p99_ms`` is that bound.
+    #: The p50 / p99 lies beyond the histogram's largest finite bucket: the value is that bound.
+    p50_beyond_buckets: bool = False
     p99_beyond_buckets: bool = False
     #: p50/p99 are since the worker started: nothing finished during the interval.
     latency_all_time: bool = False
@@ -170,6 +171,7 @@ def summarize(url: str, before: Snapshot, after: Snapshot) -> WorkerStatus:
     for q, name in ((0.5, "p50_ms"), (0.99, "p99_ms")):
         value = histogram_quantile(q, e2e)
         setattr(status, name, None if value is None else value * 1000.0)
+    status.p50_beyond_buckets = _in_overflow_bucket(0.5, e2e)
     status.p99_beyond_buckets = _in_overflow_bucket(0.99, e2e)
     batches = after.total("streamapp_batch_size_count") - before.total("streamapp_batch_size_count")
     items = after.total("streamapp_batch_size_sum") - before.total("streamapp_batch_size_sum")
@@ -240,9 +242,16 @@ def _alive(pid: Any) -> bool:
     return True
 
 
+def worker_url(text: str) -> str:
+    """A worker address as typed (``localhost:6066``, ``http://host:6066/``) as a base URL:
+    ``http://`` added when no scheme is given, no trailing slash."""
+    url = text.strip().rstrip("/")
+    return url if "://" in url else f"http://{url}"
+
+
 def discover(urls: Sequence[str]) -> list[str]:
     """``urls`` plus every worker the first reachable one's ``/cluster`` names."""
-    found = [u.rstrip("/") for u in urls]
+    found = [worker_url(u) for u in urls]
     for url in list(found):
         try:
             cluster = _get_json(f"{url}/cluster")
@@ -354,7 +363,8 @@ def render(statuses: Iterable[WorkerStatus], *, top: int = 5, now: float | None 
             str(s.partitions),
             f"{s.throughput_per_s:,.1f}", f"{s.dead_letters_per_s:,.1f}",
             f"{100 * s.dlq_ratio:.1f}", f"{s.retries_per_s:,.1f}",
-            _ms(s.p50_ms) + all_time(s.latency_all_time and s.p50_ms is not None),
+            _ms(s.p50_ms, s.p50_beyond_buckets)
+            + all_time(s.latency_all_time and s.p50_ms is not None),
             _ms(s.p99_ms, s.p99_beyond_buckets) + all_time(s.latency_all_time and s.p99_ms
                                                             is not None),
             "—" if s.mean_batch is None else f"{s.mean_batch:.1f}" + all_time(s.batch_all_time),
@@ -423,7 +433,7 @@ def run_status(
     # COLUMNS says otherwise
     wide = sys.stdout.isatty() or "COLUMNS" in os.environ  # a width the user chose is kept
     console = console or Console(width=None if wide else 200)
-    targets = discover(urls) if discover_peers else [u.rstrip("/") for u in urls]
+    targets = discover(urls) if discover_peers else [worker_url(u) for u in urls]
 
     def gather() -> list[WorkerStatus]:
         statuses = collect(targets, interval_s=interval_s, top=top)

@@ -225,6 +225,31 @@ def test_a_p99_beyond_the_last_bucket_is_shown_as_a_lower_limit() -> None:
     assert "> 1,000" in console.export_text()
 
 
+def test_a_p50_beyond_the_last_bucket_is_shown_as_a_lower_limit_too() -> None:
+    # a worker restarted on a backlog: nearly every latency is over the largest bucket
+    from streamapp.status import render
+
+    before = Snapshot.parse(metrics_text(100, 0, 100, 100, 10), at=10.0)
+    after = Snapshot.parse(metrics_text(300, 0, 100, 200, 20).replace(
+        'streamapp_e2e_duration_seconds_bucket{le="+Inf",model="digits"} 200',
+        'streamapp_e2e_duration_seconds_bucket{le="+Inf",model="digits"} 2000'), at=12.0)
+    s = summarize("http://w1", before, after)
+    assert s.p50_beyond_buckets and s.p50_ms == pytest.approx(1000.0)
+    console = Console(record=True, width=160)
+    console.print(render([s], width=160))
+    row = next(line for line in console.export_text().splitlines() if "w1" in line)
+    assert row.count("> 1,000") == 2  # p50 and p99
+    assert "1,000.0" not in row
+
+
+def test_a_worker_address_without_a_scheme_is_an_http_url() -> None:
+    from streamapp.status import worker_url
+
+    assert worker_url("localhost:6066") == "http://localhost:6066"
+    assert worker_url(" http://10.0.0.5:6066/ ") == "http://10.0.0.5:6066"
+    assert worker_url("https://w.example:443") == "https://w.example:443"
+
+
 def test_an_80_column_terminal_gets_whole_headers_and_whole_errors() -> None:
     from streamapp.status import WorkerStatus, render
 
