@@ -210,34 +210,35 @@ def test_figures_since_the_worker_started_are_marked() -> None:
     assert "*" not in busy_row
 
 
-def test_a_p99_beyond_the_last_bucket_is_shown_as_a_lower_limit() -> None:
+def _beyond_the_last_bucket(inf_total: int) -> tuple[Any, str]:
+    """A 2 s interval with 200 new results, of which the ``+Inf`` bucket ends at
+    ``inf_total`` (above 200: slower than the largest finite bucket, 1 s); its summary and
+    screen."""
     from streamapp.status import render
 
     before = Snapshot.parse(metrics_text(100, 0, 100, 100, 10), at=10.0)
-    # 200 new results, 100 of them slower than the largest finite bucket (1 s)
     after = Snapshot.parse(metrics_text(300, 0, 100, 200, 20).replace(
         'streamapp_e2e_duration_seconds_bucket{le="+Inf",model="digits"} 200',
-        'streamapp_e2e_duration_seconds_bucket{le="+Inf",model="digits"} 300'), at=12.0)
+        f'streamapp_e2e_duration_seconds_bucket{{le="+Inf",model="digits"}} {inf_total}'),
+        at=12.0)
     s = summarize("http://w1", before, after)
-    assert s.p99_beyond_buckets and s.p99_ms == pytest.approx(1000.0)
     console = Console(record=True, width=160)
     console.print(render([s], width=160))
-    assert "> 1,000" in console.export_text()
+    return s, console.export_text()
+
+
+def test_a_p99_beyond_the_last_bucket_is_shown_as_a_lower_limit() -> None:
+    # 200 new results, 100 of them slower than the largest finite bucket (1 s)
+    s, screen = _beyond_the_last_bucket(300)
+    assert s.p99_beyond_buckets and s.p99_ms == pytest.approx(1000.0)
+    assert "> 1,000" in screen
 
 
 def test_a_p50_beyond_the_last_bucket_is_shown_as_a_lower_limit_too() -> None:
     # a worker restarted on a backlog: nearly every latency is over the largest bucket
-    from streamapp.status import render
-
-    before = Snapshot.parse(metrics_text(100, 0, 100, 100, 10), at=10.0)
-    after = Snapshot.parse(metrics_text(300, 0, 100, 200, 20).replace(
-        'streamapp_e2e_duration_seconds_bucket{le="+Inf",model="digits"} 200',
-        'streamapp_e2e_duration_seconds_bucket{le="+Inf",model="digits"} 2000'), at=12.0)
-    s = summarize("http://w1", before, after)
+    s, screen = _beyond_the_last_bucket(2000)
     assert s.p50_beyond_buckets and s.p50_ms == pytest.approx(1000.0)
-    console = Console(record=True, width=160)
-    console.print(render([s], width=160))
-    row = next(line for line in console.export_text().splitlines() if "w1" in line)
+    row = next(line for line in screen.splitlines() if "w1" in line)
     assert row.count("> 1,000") == 2  # p50 and p99
     assert "1,000.0" not in row
 

@@ -1132,17 +1132,34 @@ async def test_a_batch_of_outcomes_is_handed_over_in_one_call_and_acked_with_its
     assert sorted(source.acked) == sorted(m.offset for m in messages)
 
 
+async def _held_acks_pipeline(
+    start_pipeline: StartPipeline, engine: Engine, state: StateWriter, **settings: Any
+) -> tuple[InferencePipeline, Source]:
+    """A pipeline whose acks wait for ``state``'s flush (an hour-long interval: only an
+    explicit flush or ``state_flush_max_records`` writes it), batches of 4."""
+    pipeline = await start_pipeline(ThreadExecutor(engine), BatchFakeSink(auto_resolve=True),
+                                    max_batch_size=4, max_batch_delay_ms=1.0,
+                                    observers=[state], state_flush_interval_ms=3_600_000,
+                                    **settings)
+    return pipeline, Source()
+
+
+async def _answer(pipeline: InferencePipeline, state: StateWriter,
+                  messages: list[SourceMessage]) -> None:
+    """Hand ``messages`` over and wait until their outcomes reached ``state``."""
+    seen = len(state.outcomes)
+    await pipeline.handle_many(messages)
+    await wait_for(lambda: len(state.outcomes) == seen + len(messages))
+    await settle()
+
+
 async def test_acks_wait_for_the_state_flush_that_covers_their_outcomes(
     start_pipeline: StartPipeline, onnx_engine: Engine, images: np.ndarray
 ) -> None:
-    sink, source, state = BatchFakeSink(auto_resolve=True), Source(), StateWriter()
-    pipeline = await start_pipeline(ThreadExecutor(onnx_engine), sink, max_batch_size=4,
-                                    max_batch_delay_ms=1.0, observers=[state],
-                                    state_flush_interval_ms=3_600_000)
+    state = StateWriter()
+    pipeline, source = await _held_acks_pipeline(start_pipeline, onnx_engine, state)
     messages = [good(source, images[i], "dev-a", i) for i in range(4)]
-    await pipeline.handle_many(messages)
-    await wait_for(lambda: len(state.outcomes) == 4)
-    await settle()
+    await _answer(pipeline, state, messages)
     assert source.acked == [] and state.flushed_outcomes == 0  # broker has them; state not yet
 
     await pipeline.flush_state()
@@ -1156,15 +1173,11 @@ async def test_enough_held_acks_flush_the_state_before_the_interval(
 ) -> None:
     # state_flush_max_records bounds what a crash re-delivers at any rate: an hour-long
     # interval, yet the 8th finished record flushes the state and acks all eight.
-    sink, source, state = BatchFakeSink(auto_resolve=True), Source(), StateWriter()
-    pipeline = await start_pipeline(ThreadExecutor(onnx_engine), sink, max_batch_size=4,
-                                    max_batch_delay_ms=1.0, observers=[state],
-                                    state_flush_interval_ms=3_600_000,
-                                    state_flush_max_records=8)
+    state = StateWriter()
+    pipeline, source = await _held_acks_pipeline(start_pipeline, onnx_engine, state,
+                                                 state_flush_max_records=8)
     first = [good(source, images[i], "dev-a", i) for i in range(4)]
-    await pipeline.handle_many(first)
-    await wait_for(lambda: len(state.outcomes) == 4)
-    await settle()
+    await _answer(pipeline, state, first)
     assert source.acked == [] and state.flushed_outcomes == 0  # 4 of 8: still held
 
     second = [good(source, images[i], "dev-a", i) for i in range(4, 8)]
@@ -1192,14 +1205,10 @@ async def test_a_flush_waits_for_the_one_in_progress_before_the_commit_that_foll
                 await self.gate.wait()
             await super().flush()
 
-    sink, source, state = BatchFakeSink(auto_resolve=True), Source(), SlowWriter()
-    pipeline = await start_pipeline(ThreadExecutor(onnx_engine), sink, max_batch_size=4,
-                                    max_batch_delay_ms=1.0, observers=[state],
-                                    state_flush_interval_ms=3_600_000)
+    state = SlowWriter()
+    pipeline, source = await _held_acks_pipeline(start_pipeline, onnx_engine, state)
     messages = [good(source, images[i], "dev-a", i) for i in range(4)]
-    await pipeline.handle_many(messages)
-    await wait_for(lambda: len(state.outcomes) == 4)
-    await settle()
+    await _answer(pipeline, state, messages)
     first = asyncio.ensure_future(pipeline.flush_state())  # takes the 4 acks, then waits
     await asyncio.wait_for(state.entered.wait(), 5)
     second = asyncio.ensure_future(pipeline.flush_state())  # the stop's flush
