@@ -94,6 +94,16 @@ def kafka_ratios(results: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
             ev, kv = e.get(path[0], {}).get(path[1]), k.get(path[0], {}).get(path[1])
             if ev and kv:
                 r[f"{key}_kafka_over_embedded"] = kv / ev
+        # Issue 17's p99 target on Apache Kafka: p99 at the p99 level ≤ delay + 3 × batch
+        # compute + a plain aiokafka round trip's p99 at the same rate on the same broker.
+        at = _p99_at(k)
+        compute = (k.get("engine") or e.get("engine") or {}).get("batch_ms_p50")
+        rt = k.get("roundtrip", {}).get("p99_ms")
+        if at is not None and compute is not None and rt is not None:
+            budget = k["plan"]["delay_ms"] + 3 * compute + rt
+            r.update(p99_level=k["plan"].get("p99_level", 0.7), p99_at_level=at,
+                     roundtrip_p99_ms=rt, batch_compute_ms=compute, p99_budget_ms=budget,
+                     p99_over_budget=at / budget)
         anchor = k.get("anchor", {})
         aio = anchor.get("aiokafka_produce", {}).get("msgs_per_s")
         java = anchor.get("producer_perf", {})
@@ -170,6 +180,13 @@ def format_kafka(results: Mapping[str, Any]) -> list[str]:
             r = kr.get(name, {})
             row("product ÷ transport ceiling", r.get("product_over_transport_embedded"),
                 r.get("product_over_transport_kafka"), ".3f")
+            if "p99_budget_ms" in r:
+                lines.append(
+                    f"  p99 target on Apache Kafka (issue 17): p99 {r['p99_at_level']:.1f} ms at "
+                    f"{r['p99_level']:.0%} ÷ (delay {k['plan']['delay_ms']:g} + 3 × batch "
+                    f"compute {r['batch_compute_ms']:.1f} + aiokafka round trip p99 "
+                    f"{r['roundtrip_p99_ms']:.1f} ms = {r['p99_budget_ms']:.1f} ms) = "
+                    f"{r['p99_over_budget']:.2f} (target ≤ 1)")
         a = k.get("anchor")
         if a:
             java, aio, cons = a["producer_perf"], a["aiokafka_produce"], a["consumer_perf"]

@@ -140,6 +140,27 @@ def test_kafka_ratios_and_side_by_side_report() -> None:
             "produce+consume ceiling ÷ ProducerPerformance = 0.42") in rows
 
 
+
+def test_the_p99_target_on_apache_kafka_uses_its_own_round_trip_and_the_runs_engine() -> None:
+    kafka = _side(40_000.0, 1_000.0, 80.0)
+    kafka["roundtrip"] = {"p99_ms": 12.0, "level": 0.7}
+    embedded = {**_side(80_000.0, 1_200.0, 60.0), "engine": {
+        "batch": 32, "mode": "sync", "items_per_s": 9_000.0, "batch_ms_p50": 1.0},
+                "roundtrip": {"p99_ms": 3.0, "level": 0.7, "results_per_s": 700.0,
+                              "complete": True}}
+    results = {"profile": "t", "env": {}, "workloads": {"digits": embedded},
+               "apache_kafka": {"version": "4.4.0", "jvm_opts": "-Xmx1G",
+                                "workloads": {"digits": kafka}}}
+
+    r = kafka_ratios(results)["digits"]
+
+    # 5 ms delay + 3 × 1 ms compute + Kafka's own 12 ms round trip (not the embedded 3 ms)
+    assert r["p99_budget_ms"] == pytest.approx(20.0)
+    assert r["p99_over_budget"] == pytest.approx(4.0)
+    assert any("= 4.00 (target ≤ 1)" in line for line in format_report(results).splitlines())
+    kafka["engine"] = {"batch_ms_p50": 2.0}  # --broker kafka: the engine measured there
+    assert kafka_ratios(results)["digits"]["p99_budget_ms"] == pytest.approx(23.0)
+
 @pytest.mark.kafka
 @pytest.mark.apache_kafka
 def test_perf_tools_run_against_apache_kafka(apache_kafka: KafkaBroker) -> None:
