@@ -113,7 +113,7 @@ _RESNET_GPU = dict(backend="torch", batch=64, delay_ms=5.0, inflight=4, partitio
                    window=1024, engine_s=3.0, transport_n=8_000, forwarder=False,
                    sat_warmup_s=15.0, sat_s=6.0, loads=(0.1, 0.5, 0.7, 0.9), ol_warmup_s=2.0,
                    ol_s=4.0, seeds=False, async_inflight=4, seeds_warmup_s=3.0, seeds_s=4.0,
-                   drain_s=15.0, worker_warmup_s=8.0,
+                   drain_s=15.0, worker_warmup_s=8.0, perf_n=4_000,
                    producer={"max_request_size": 2 << 20, "max_batch_size": 1 << 20})
 
 PROFILES: dict[str, Profile] = {
