@@ -235,6 +235,13 @@ class Settings(BaseSettings):
     max_retries: int = Field(
         3, ge=0, description="Retries of a transient failure before the request goes to the DLQ."
     )
+    failure_quarantine_s: float = Field(
+        30.0, ge=0,
+        description="After a request failed alone while the other requests of its batch passed, "
+        "its device's requests run alone, never in a batch with other devices' requests, until "
+        "this long after its last failure (s); retries always run alone. Keeps a failing device "
+        "from failing its neighbours' batches. 0: only retries run alone.",
+    )
     retry_backoff_base_ms: float = Field(
         200.0, ge=0, description="Backoff before retry n is base * 2**(n-1) (ms), capped."
     )
