@@ -273,6 +273,23 @@ class Settings(BaseSettings):
         "for a device are forwarded to the worker that owns it); default: web_bind, or the "
         "host name when web_bind is 0.0.0.0.",
     )
+    web_max_concurrent_requests: int = Field(
+        16, ge=1,
+        description="Web requests answered at once; one more gets 503 busy with Retry-After "
+        "(/health and /ready are never refused). Queries share the event loop with inference.",
+    )
+    web_max_requests_per_s: float = Field(
+        100.0, ge=0,
+        description="Web requests admitted per second (a token bucket: bursts up to one "
+        "second's worth; /health and /ready not counted); beyond it 429 rate_limited with "
+        "Retry-After. Forwarded device queries count on both workers. 0: no rate bound.",
+    )
+    web_cache_ms: float = Field(
+        250.0, ge=0,
+        description="/metrics is rendered, and the /devices listing's snapshot taken, at most "
+        "once per this interval (ms); between, answers come from memory. The snapshot is also "
+        "kept at least four times as long as taking it lasted.",
+    )
     tumbling_window_s: float = Field(
         10.0, gt=0, description="Size of the per-device tumbling windows (s)."
     )
