@@ -274,7 +274,7 @@ class Settings(BaseSettings):
         "host name when web_bind is 0.0.0.0.",
     )
     web_max_concurrent_requests: int = Field(
-        16, ge=1,
+        8, ge=1,
         description="Web requests answered at once; one more gets 503 busy with Retry-After "
         "(/health and /ready are never refused). Queries share the event loop with inference.",
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING, Any
 
 import faust
@@ -9,6 +10,7 @@ from faust.web import Request, Response
 
 from streamapp.tables import WINDOW_KINDS
 from streamapp.views.errors import ApiError, ApiView
+from streamapp.views.limits import Cached, off_loop
 from streamapp.views.listing import SORTS, DeviceListing, decode_cursor
 from streamapp.views.params import (
     check_params,
@@ -48,6 +50,7 @@ def add_device_views(app: faust.App, state: WorkerState, cache_s: float = 0.0) -
     """
     reader = state.reader
     listing = DeviceListing(reader.devices, cache_s)
+    rendered: Cached[bytes | None] = Cached(cache_s, max_keys=256)
 
     @app.page("/devices")
     class Devices(ApiView):
@@ -103,11 +106,21 @@ def add_device_views(app: faust.App, state: WorkerState, cache_s: float = 0.0) -
             forwarded = await forward_to_owner(self, request, state.tables, key)
             if forwarded is not None:
                 return forwarded
-            windows = reader.windows(key, kind, last)
-            if windows is None:
+
+            def render() -> bytes | None:
+                windows = reader.windows(key, kind, last)
+                if windows is None:
+                    return None
+                return json.dumps({
+                    "device_id": device_id, "kind": kind,
+                    "size_s": plan.size_ms(kind) / 1000.0,
+                    "step_s": plan.step_of(kind) / 1000.0,
+                    "served_by": state.worker, "windows": windows,
+                }).encode()
+
+            # up to 360 windows from as many buckets: read and rendered off the event loop,
+            # and served again for web_cache_ms (buckets change once per state flush)
+            body = await rendered.get((key, kind, last), lambda: off_loop(render))
+            if body is None:
                 raise _unknown(device_id)
-            return self.json({
-                "device_id": device_id, "kind": kind,
-                "size_s": plan.size_ms(kind) / 1000.0, "step_s": plan.step_of(kind) / 1000.0,
-                "served_by": state.worker, "windows": windows,
-            })
+            return self.bytes(body, content_type="application/json")

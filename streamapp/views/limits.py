@@ -12,12 +12,16 @@ p99 from 42 ms to 16 s. Three bounds keep queries from starving the agents:
   because it is busy answering queries.
 * :class:`Cached`: what a dashboard polls (``/metrics``, ``/devices`` listings) is computed at
   most once per ``web_cache_ms`` and served from memory in between.
-* Scans of every device run in a thread, at most one at a time (``streamapp.views.devices``).
+* The heavy part of a query — reading many rows, sorting, rendering large answers — runs in
+  one thread of its own (:func:`off_loop`), never on the event loop: queries then compete with
+  the agents for the GIL (one thread, released every ``sys.getswitchinterval()``), not for
+  the loop, and never with each other for more than that one thread.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import math
 import time
 from collections.abc import Awaitable, Callable, Hashable
@@ -25,12 +29,29 @@ from typing import Any, Generic, TypeVar
 
 from aiohttp import web
 
-__all__ = ["EXEMPT_PATHS", "Cached", "WebLimits"]
+__all__ = ["EXEMPT_PATHS", "Cached", "WebLimits", "off_loop"]
 
 #: Paths the bounds never refuse (cheap, and what orchestrators probe).
 EXEMPT_PATHS = frozenset({"/health", "/ready"})
 
 V = TypeVar("V")
+
+#: The one thread the web API's heavy work runs in (created on first use).
+_QUERY_THREAD: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+async def off_loop(fn: Callable[[], V]) -> V:
+    """Run ``fn()`` in the web API's query thread (one for the process) and return its value.
+
+    Raises:
+        Exception: What ``fn`` raised.
+    """
+    global _QUERY_THREAD
+    if _QUERY_THREAD is None:
+        _QUERY_THREAD = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="web-query"
+        )
+    return await asyncio.get_running_loop().run_in_executor(_QUERY_THREAD, fn)
 
 
 class WebLimits:

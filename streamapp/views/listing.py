@@ -12,7 +12,6 @@ changed between two pages may appear twice or not at all; ``device_id`` pages ar
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import binascii
 import bisect
@@ -22,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from streamapp.views.errors import ApiError
-from streamapp.views.limits import Cached
+from streamapp.views.limits import Cached, off_loop
 
 __all__ = ["SORTS", "DeviceListing", "decode_cursor", "encode_cursor"]
 
@@ -146,7 +145,7 @@ class DeviceListing:
             return json.dumps(body).encode()
 
         key = (id(snapshot), sort, limit, offset, after)
-        return await self._pages.get(key, lambda: asyncio.to_thread(render))
+        return await self._pages.get(key, lambda: off_loop(render))
 
     async def _take(self, sort: str) -> _Sorted:
         started = self._clock()
@@ -155,7 +154,7 @@ class DeviceListing:
             return _Sorted(sort, self._scan())
 
         try:
-            snapshot = await asyncio.to_thread(scan_and_sort)
+            snapshot = await off_loop(scan_and_sort)
         except RuntimeError as exc:  # a partition's store came or went while it was read
             raise ApiError(
                 503, "not_ready",
