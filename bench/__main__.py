@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.hotpath import RUNGS, HotpathConfig, format_hotpath, run_hotpath
+from bench.isolation import SCENARIOS, format_isolation, run_isolation
 from bench.procs import BrokerKind
 from bench.report import format_report, write_plots
 from bench.run import PROFILES, environment, run_profile
@@ -76,6 +77,13 @@ def main(argv: list[str] | None = None) -> int:
     hot.add_argument("--worker-env", action="append", default=[], metavar="KEY=VAL",
                      help="environment of the worker (repeatable), e.g. "
                      "STREAMAPP_MAX_BATCH_SIZE=128")
+    iso = sub.add_parser("isolation", help="inference latency with and without a web flood "
+                         "or a failing stream, side by side in one run (issue 19)")
+    iso.add_argument("--scenarios", default=",".join(SCENARIOS),
+                     help=f"comma-separated, of {', '.join(SCENARIOS)}")
+    iso.add_argument("--seconds", type=float, default=20.0, help="measured seconds per phase")
+    iso.add_argument("--out", type=Path, default=Path("bench-results/isolation"))
+    iso.add_argument("--logs", type=Path, default=None, help="default OUT/logs")
     report = sub.add_parser("report", help="print the report of a bench.json again")
     report.add_argument("json", type=Path)
     report.add_argument("--plots", type=Path, default=None, help="also redraw the PNGs here")
@@ -95,6 +103,14 @@ def main(argv: list[str] | None = None) -> int:
         return _scaleout(args, log)
     if args.command == "hotpath":
         return _hotpath(args, parser, log)
+    if args.command == "isolation":
+        scenarios = tuple(s for s in args.scenarios.split(",") if s)
+        if not scenarios or any(s not in SCENARIOS for s in scenarios):
+            parser.error(f"--scenarios: use {', '.join(SCENARIOS)}")
+        results = run_isolation(args.out, scenarios=scenarios, seconds=args.seconds, log=log,
+                                logs=args.logs)
+        print(format_isolation(results))
+        return 1 if any("error" in r for r in results["scenarios"].values()) else 0
     if args.command == "run":
         profile = PROFILES[args.profile]
         only = tuple(w for w in args.only.split(",") if w)

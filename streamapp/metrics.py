@@ -127,7 +127,8 @@ METRIC_FAMILIES: tuple[tuple[str, str, str, str], ...] = (
          "Outcomes the producer failed to deliver (the request stays uncommitted and is "
          "processed again)."),
         ("streamapp_bisections_total", "counter", "",
-         "Failed batches split in halves to isolate the failing request(s)."),
+         "Failed batches whose requests were run again, each alone, to isolate the failing "
+         "request(s)."),
         ("streamapp_undecodable_batches_total", "counter", "topic, handling",
          "Fetched record batches the consumer could not decode (bad CRC, a codec it lacks, "
          "corrupt compressed data), each counted once: `dead_lettered` (request and retry "
@@ -233,7 +234,7 @@ DELIVERY_COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("commits", "streamapp_commits", "Offset commits accepted."),
     ("commit_failures", "streamapp_commit_failures", "Offset commits failed."),
     ("produce_failures", "streamapp_produce_failures", "Outcomes not delivered."),
-    ("bisections", "streamapp_bisections", "Failed batches bisected."),
+    ("bisections", "streamapp_bisections", "Failed batches whose requests were run again alone."),
 )
 
 

@@ -235,6 +235,13 @@ class Settings(BaseSettings):
     max_retries: int = Field(
         3, ge=0, description="Retries of a transient failure before the request goes to the DLQ."
     )
+    failure_quarantine_s: float = Field(
+        30.0, ge=0,
+        description="After a request failed alone while the other requests of its batch passed, "
+        "its device's requests run alone, never in a batch with other devices' requests, until "
+        "this long after its last failure (s); retries always run alone. Keeps a failing device "
+        "from failing its neighbours' batches. 0: only retries run alone.",
+    )
     retry_backoff_base_ms: float = Field(
         200.0, ge=0, description="Backoff before retry n is base * 2**(n-1) (ms), capped."
     )
@@ -265,6 +272,23 @@ class Settings(BaseSettings):
         description="Host name other workers use to reach this worker's web server (requests "
         "for a device are forwarded to the worker that owns it); default: web_bind, or the "
         "host name when web_bind is 0.0.0.0.",
+    )
+    web_max_concurrent_requests: int = Field(
+        8, ge=1,
+        description="Web requests answered at once; one more gets 503 busy with Retry-After "
+        "(/health and /ready are never refused). Queries share the event loop with inference.",
+    )
+    web_max_requests_per_s: float = Field(
+        100.0, ge=0,
+        description="Web requests admitted per second (a token bucket: bursts up to one "
+        "second's worth; /health and /ready not counted); beyond it 429 rate_limited with "
+        "Retry-After. Forwarded device queries count on both workers. 0: no rate bound.",
+    )
+    web_cache_ms: float = Field(
+        250.0, ge=0,
+        description="/metrics is rendered, and the /devices listing's snapshot taken, at most "
+        "once per this interval (ms); between, answers come from memory. The snapshot is also "
+        "kept at least four times as long as taking it lasted.",
     )
     tumbling_window_s: float = Field(
         10.0, gt=0, description="Size of the per-device tumbling windows (s)."

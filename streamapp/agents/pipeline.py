@@ -9,9 +9,16 @@ batch on the model's executor, post-process, and produce the outcome:
   error, out of memory, timeout) and ``max_retries`` is not exhausted;
 * a **dead letter** otherwise (bad input, non-retriable failure, retries exhausted).
 
-When a whole batch fails, it is split in halves recursively (bisection) until the failing
-request(s) are isolated, so one poison request does not fail its neighbours: a batch of ``n``
-with one poison request costs at most ``2·log2(n)`` extra engine calls.
+When a whole batch fails, each of its requests is run again alone (all at once, as far as the
+executor's in-flight bound allows), so one poison request costs each of its neighbours exactly
+one extra engine run and the batch one run plus ``n`` single-request runs. Bisection in halves
+needs fewer engine calls (``2·log2(n)``) but re-runs an innocent neighbour up to ``log2(n)``
+times, one level after another, and every later batch waits behind it for its turn to emit
+(issue 19: healthy p99 ×19 with 40 failing requests/s). A request that may fail again never
+shares a batch with fresh requests: retries (``attempt > 0``) and the requests of a device one
+of whose requests failed alone while its neighbours passed (for ``failure_quarantine_s``) run
+in a lane of their own, each alone (:meth:`InferencePipeline.runs_alone`). Outcomes still leave
+in read order, whichever lane a request ran in.
 
 Outcomes are produced in the order records were read (per-device order), and a record is
 acknowledged — its ``ack`` callback called — only once the broker acknowledged the outcome. The
@@ -103,6 +110,10 @@ def _clip(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 log = logging.getLogger(__name__)
+
+#: Most devices whose requests run alone at once (``failure_quarantine_s``); beyond it the one
+#: quarantined longest ago is released first. Bounds the memory a flood of failing devices takes.
+MAX_QUARANTINED_DEVICES = 10_000
 
 
 @dataclass(slots=True)
@@ -219,11 +230,12 @@ class PipelineStats:
     #: Records finished although no outcome of theirs could be produced in any form (logged).
     unwritable: int = 0
     acked: int = 0
+    #: Failed batches whose requests were run again, each alone (the metric's historic name).
     bisections: int = 0
 
 
 class InferencePipeline:
-    """Decode → validate → batch → infer (bisecting failed batches) → produce, in read order.
+    """Decode → validate → batch → infer (isolating failed batches) → produce, in read order.
 
     Args:
         settings: Topics, batching limits, retry policy, ``max_request_bytes``, ``top_k``.
@@ -283,6 +295,8 @@ class InferencePipeline:
         #: (topic, partition) -> offset of the last record read (for the backlog estimate).
         self._last_read: dict[tuple[str, int], int] = {}
         self._highwater = highwater
+        #: device_id -> ``time.monotonic()`` until which its requests run alone (oldest first).
+        self._quarantine: dict[str, float] = {}
         hold_ms = float(getattr(settings, "max_batch_hold_ms", 0.0))
         self.batcher: MicroBatcher[_Work] = MicroBatcher(
             self._run_batch,
@@ -399,7 +413,41 @@ class InferencePipeline:
                 log.exception("internal error while decoding %s", message)
                 batcher.put_done_nowait(work, InternalError(f"{type(exc).__name__}: {exc}"))
                 continue
-            batcher.put_nowait(work, key=request.model)
+            batcher.put_nowait(work, key=(request.model, self.runs_alone(work)))
+
+    def runs_alone(self, work: _Work) -> bool:
+        """Whether a decoded request goes to the lane whose requests each run alone: a retry
+        (it failed before), or a request of a device under quarantine (see
+        :meth:`_suspect`)."""
+        if work.attempt > 0:
+            return True
+        if not self._quarantine:
+            return False
+        assert work.request is not None
+        until = self._quarantine.get(work.request.device_id)
+        if until is None:
+            return False
+        if until <= time.monotonic():
+            del self._quarantine[work.request.device_id]
+            return False
+        return True
+
+    def _suspect(self, work: _Work, *, isolated: bool) -> None:
+        """A request failed alone: quarantine its device for ``failure_quarantine_s`` (its next
+        requests run alone) when the failure was isolated — a neighbour of the same run passed,
+        so it is this request, not the engine — or the device is quarantined already. At most
+        :data:`MAX_QUARANTINED_DEVICES` devices; the oldest entry goes first."""
+        seconds = float(getattr(self.settings, "failure_quarantine_s", 0.0))
+        request = work.request
+        if seconds <= 0 or request is None:
+            return
+        device = request.device_id
+        if not isolated and device not in self._quarantine:
+            return
+        self._quarantine.pop(device, None)  # re-inserted last: the dict is oldest-first
+        self._quarantine[device] = time.monotonic() + seconds
+        while len(self._quarantine) > MAX_QUARANTINED_DEVICES:
+            del self._quarantine[next(iter(self._quarantine))]
 
     def backlog(self) -> int:
         """Records waiting in the broker beyond the last one read, over the partitions read so
@@ -441,7 +489,8 @@ class InferencePipeline:
     # -- batches --------------------------------------------------------------------------------
 
     async def _run_batch(self, key: Hashable, batch: list[_Work]) -> Sequence[_ItemResult]:
-        model = self.models[str(key)]
+        assert isinstance(key, tuple)  # (model name, runs alone): see handle_many
+        model, alone = self.models[str(key[0])], bool(key[1])
         results: list[_ItemResult | None] = [None] * len(batch)
         runnable: list[int] = []
         seen: set[str] = set()
@@ -463,7 +512,10 @@ class InferencePipeline:
                 seen.add(request_id)
                 runnable.append(i)
         if runnable:
-            outcomes = await self._infer_bisect(model, [batch[i] for i in runnable])
+            works = [batch[i] for i in runnable]
+            outcomes = await (
+                self._infer_each(model, works) if alone else self._infer_isolating(model, works)
+            )
             for i, outcome in zip(runnable, outcomes, strict=True):
                 results[i] = outcome
         return [r if r is not None else _ItemResult(error=RuntimeError("no result"))
@@ -483,28 +535,19 @@ class InferencePipeline:
             work.pending = None
         return None
 
-    async def _infer_bisect(self, model: LoadedModel, works: list[_Work]) -> list[_ItemResult]:
+    async def _infer(self, model: LoadedModel, works: list[_Work]) -> list[_ItemResult]:
+        """Run ``works`` as one engine batch.
+
+        Raises:
+            EngineError: The engine failed the whole batch.
+        """
         config = model.config
         items: list[Any] = []
         for work in works:
             assert work.array is not None
             items.append({config.input_name: work.array})
         started = time.perf_counter()
-        try:
-            outputs = await model.executor.run(items)
-        except EngineError as exc:
-            if len(works) == 1:
-                return [_ItemResult(error=exc)]
-            self.stats.bisections += 1
-            mid = len(works) // 2
-            log.info(
-                "a batch of %d failed (%s: %s); bisecting to isolate the failing request(s)",
-                len(works), type(exc).__name__, exc,
-            )
-            return (
-                await self._infer_bisect(model, works[:mid])
-                + await self._infer_bisect(model, works[mid:])
-            )
+        outputs = await model.executor.run(items)
         infer_ms = (time.perf_counter() - started) * 1000.0
         probs = outputs[config.output_name]
         k = min(self.settings.top_k, len(config.labels))
@@ -512,6 +555,46 @@ class InferencePipeline:
             _ItemResult(outputs={"top_k": top}, infer_ms=infer_ms)
             for top in config.top_k_many(np.asarray(probs)[: len(works)], k)
         ]
+
+    async def _infer_isolating(
+        self, model: LoadedModel, works: list[_Work]
+    ) -> list[_ItemResult]:
+        """Run ``works`` as one batch; when the engine fails it, run each request alone once
+        (:meth:`_infer_each`), so that each innocent neighbour costs one extra engine run."""
+        try:
+            return await self._infer(model, works)
+        except EngineError as exc:
+            if len(works) == 1:
+                self._suspect(works[0], isolated=False)
+                return [_ItemResult(error=exc)]
+            self.stats.bisections += 1
+            log.info(
+                "a batch of %d failed (%s: %s); running each request alone to isolate the "
+                "failing one(s)", len(works), type(exc).__name__, exc,
+            )
+            return await self._infer_each(model, works)
+
+    async def _infer_each(self, model: LoadedModel, works: list[_Work]) -> list[_ItemResult]:
+        """Run every request of ``works`` alone, concurrently (the executor's ``max_inflight``
+        bounds how many run at once). A request that fails gets its own error, and its device
+        is quarantined when a neighbour passed (:meth:`_suspect`)."""
+
+        async def one(work: _Work) -> _ItemResult | EngineError:
+            try:
+                return (await self._infer(model, [work]))[0]
+            except EngineError as exc:
+                return exc
+
+        answers = await asyncio.gather(*(one(work) for work in works))
+        isolated = any(not isinstance(a, EngineError) for a in answers)
+        results: list[_ItemResult] = []
+        for work, answer in zip(works, answers, strict=True):
+            if isinstance(answer, EngineError):
+                self._suspect(work, isolated=isolated)
+                results.append(_ItemResult(error=answer))
+            else:
+                results.append(answer)
+        return results
 
     # -- output ---------------------------------------------------------------------------------
 

@@ -2,9 +2,11 @@
 
 Every answer is JSON except ``/metrics``; every error is
 ``{"error": code, "message": ..., "status": n}`` (400 bad query, 404 unknown device, 503 not
-ready). Device queries are answered by the worker that owns the device and forwarded there from
-any other worker (:mod:`streamapp.views.routing`). :data:`ENDPOINTS` is the API reference; the
-docs/api.md's table is kept equal to it by a test.
+ready or busy, 429 rate limited; the last two with ``Retry-After``). Device queries are answered
+by the worker that owns the device and forwarded there from any other worker
+(:mod:`streamapp.views.routing`). :data:`ENDPOINTS` is the API reference; the docs/api.md's
+table is kept equal to it by a test. What queries may take from the event loop is bounded
+(:mod:`streamapp.views.limits`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import faust
 from streamapp.views.devices import add_device_views
 from streamapp.views.errors import ApiError, ApiView
 from streamapp.views.health import add_health_views
+from streamapp.views.limits import WebLimits
 from streamapp.views.metrics import add_metrics_view
 
 if TYPE_CHECKING:
@@ -33,13 +36,15 @@ ENDPOINTS: tuple[tuple[str, str, str, str], ...] = (
     ("GET", "/engines", "",
      "Per model: backend, engine tag (version + model/plan hash), device, precision, "
      "max batch size."),
-    ("GET", "/metrics", "", "Prometheus text format (see *Metrics*)."),
+    ("GET", "/metrics", "",
+     "Prometheus text format (see *Metrics*), rendered at most once per `web_cache_ms`."),
     ("GET", "/cluster", "",
      "This worker's URL and every worker of the group with the partitions it owns."),
-    ("GET", "/devices", "`limit` (1–1000, 100), `offset` (0), "
-     "`sort` (`device_id`, `-total`, `-last_seen`)",
+    ("GET", "/devices", "`limit` (1–1000, 100), `sort` (`device_id`, `-total`, `-last_seen`), "
+     "`cursor` (the previous page's `next_cursor`) or `offset` (0)",
      "Devices **this** worker owns: `count`, `devices` (id, total, counts, last seq, last "
-     "seen, e2e EWMA), `next_offset`."),
+     "seen, e2e EWMA), `next_cursor` and `next_offset` (null on the last page). From a "
+     "snapshot up to `web_cache_ms` old (longer while a scan of many devices is slow)."),
     ("GET", "/devices/{device_id}", "",
      "The device's stats from its owner (any worker forwards): `total`, `counts` by outcome, "
      "dead letters and retries by reason, `last_seq`, `last_result`, `latency_ewma_ms`, "
@@ -59,8 +64,20 @@ def api_reference() -> str:
     return "\n".join(rows)
 
 
-def install_views(app: faust.App, state: WorkerState) -> None:
-    """Register every endpoint of :data:`ENDPOINTS` on ``app``."""
+def install_views(app: faust.App, state: WorkerState) -> WebLimits:
+    """Register every endpoint of :data:`ENDPOINTS` on ``app``, behind the bounds of
+    :mod:`streamapp.views.limits` (``web_max_concurrent_requests``,
+    ``web_max_requests_per_s``, ``web_cache_ms``).
+
+    Returns:
+        The bounds' state (counters of refused requests).
+    """
+    settings = state.settings
+    limits = WebLimits(settings.web_max_concurrent_requests, settings.web_max_requests_per_s)
+    # faust.web.Web's type has no web_app; the aiohttp driver (the only one) has
+    app.web.web_app.middlewares.append(limits.middleware())  # type: ignore[attr-defined]
+    cache_s = settings.web_cache_ms / 1000.0
     add_health_views(app, state)
-    add_metrics_view(app, state)
-    add_device_views(app, state)
+    add_metrics_view(app, state, cache_s)
+    add_device_views(app, state, cache_s)
+    return limits

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING, Any
 
 import faust
@@ -9,6 +10,8 @@ from faust.web import Request, Response
 
 from streamapp.tables import WINDOW_KINDS
 from streamapp.views.errors import ApiError, ApiView
+from streamapp.views.limits import Cached, off_loop
+from streamapp.views.listing import SORTS, DeviceListing, decode_cursor
 from streamapp.views.params import (
     check_params,
     choice,
@@ -27,7 +30,6 @@ __all__ = ["add_device_views"]
 PAGE_DEFAULT, PAGE_MAX = 100, 1000
 #: ``/devices/{id}/windows``: windows returned by default.
 LAST_DEFAULT = 6
-SORTS = ("device_id", "-total", "-last_seen")
 
 
 def _unknown(device_id: str) -> ApiError:
@@ -39,32 +41,35 @@ def _unknown(device_id: str) -> ApiError:
     )
 
 
-def add_device_views(app: faust.App, state: WorkerState) -> None:
+def add_device_views(app: faust.App, state: WorkerState, cache_s: float = 0.0) -> None:
+    """Register ``/devices``, ``/devices/{device_id}`` and ``/devices/{device_id}/windows``.
+
+    Args:
+        cache_s: How long a listing's snapshot of this worker's devices and its rendered pages
+            are served before they are computed again (seconds; ``web_cache_ms``).
+    """
     reader = state.reader
+    listing = DeviceListing(reader.devices, cache_s)
+    rendered: Cached[bytes | None] = Cached(cache_s, max_keys=256)
 
     @app.page("/devices")
     class Devices(ApiView):
-        """Devices this worker owns, paginated."""
+        """Devices this worker owns, paginated by cursor (or offset)."""
 
         async def get(self, request: Request) -> Response:
             query = request.query
-            check_params(query, ("limit", "offset", "sort"))
+            check_params(query, ("limit", "offset", "sort", "cursor"))
             limit = int_param(query, "limit", default=PAGE_DEFAULT, low=1, high=PAGE_MAX)
             offset = int_param(query, "offset", default=0, low=0, high=2**31)
             sort = choice(query, "sort", SORTS, default="device_id")
-            devices = reader.devices()
-            if sort == "device_id":
-                devices.sort(key=lambda d: d["device_id"])
-            else:
-                field = sort[1:]
-                devices.sort(key=lambda d: (-(d.get(field) or 0), d["device_id"]))
-            page = devices[offset: offset + limit]
-            more = offset + limit < len(devices)
-            return self.json({
-                "worker": state.worker, "url": state.url, "count": len(devices),
-                "offset": offset, "limit": limit,
-                "next_offset": offset + limit if more else None, "devices": page,
-            })
+            cursor = query.get("cursor")
+            if cursor is not None and "offset" in query:
+                raise ApiError(400, "bad_query", "give cursor or offset, not both")
+            after = None if cursor is None else decode_cursor(cursor, sort)
+            body = await listing.page(
+                sort, limit, offset, after, {"worker": state.worker, "url": state.url}
+            )
+            return self.bytes(body, content_type="application/json")
 
     @app.page("/devices/{device_id}")
     class Device(ApiView):
@@ -101,11 +106,21 @@ def add_device_views(app: faust.App, state: WorkerState) -> None:
             forwarded = await forward_to_owner(self, request, state.tables, key)
             if forwarded is not None:
                 return forwarded
-            windows = reader.windows(key, kind, last)
-            if windows is None:
+
+            def render() -> bytes | None:
+                windows = reader.windows(key, kind, last)
+                if windows is None:
+                    return None
+                return json.dumps({
+                    "device_id": device_id, "kind": kind,
+                    "size_s": plan.size_ms(kind) / 1000.0,
+                    "step_s": plan.step_of(kind) / 1000.0,
+                    "served_by": state.worker, "windows": windows,
+                }).encode()
+
+            # up to 360 windows from as many buckets: read and rendered off the event loop,
+            # and served again for web_cache_ms (buckets change once per state flush)
+            body = await rendered.get((key, kind, last), lambda: off_loop(render))
+            if body is None:
                 raise _unknown(device_id)
-            return self.json({
-                "device_id": device_id, "kind": kind,
-                "size_s": plan.size_ms(kind) / 1000.0, "step_s": plan.step_of(kind) / 1000.0,
-                "served_by": state.worker, "windows": windows,
-            })
+            return self.bytes(body, content_type="application/json")

@@ -80,10 +80,14 @@ async def forward_to_owner(
             timeout=aiohttp.ClientTimeout(total=FORWARD_TIMEOUT_S),
         ) as answer:
             body = await answer.read()
-            return view.bytes(
+            relayed = view.bytes(
                 body, content_type=answer.content_type or "application/json",
                 status=answer.status,
             )
+            retry_after = answer.headers.get("Retry-After")
+            if retry_after is not None:  # the owner was busy: the caller should wait as told
+                relayed.headers["Retry-After"] = retry_after
+            return relayed
     except (aiohttp.ClientError, TimeoutError) as exc:
         log.warning("forwarding %s to %s failed: %s", request.rel_url, owner, exc)
         raise ApiError(

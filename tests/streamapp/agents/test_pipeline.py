@@ -27,7 +27,7 @@ from engines.base import Engine
 from engines.exceptions import EngineRuntimeError, InputSpecError
 from engines.executor import Item, ThreadExecutor
 from engines.registry import load_engine
-from engines.testing import FakeEngine
+from engines.testing import FakeEngine, FaultyEngine
 from streamapp.agents.observer import Outcome
 from streamapp.agents.pipeline import InferencePipeline, LoadedModel, SourceMessage
 from streamapp.codecs import REASONS, decode_dead_letter, decode_result, encode_request
@@ -642,7 +642,7 @@ async def test_a_transiently_failed_batch_is_bisected_and_every_request_answered
 
     assert [r["seq"] for r in results_of(sink, pipeline)] == [0, 1, 2, 3]
     assert dead_letters_of(sink, pipeline) == []
-    assert engine.batch_sizes == [4, 2, 2]  # the failed batch, then its halves
+    assert engine.batch_sizes == [4, 1, 1, 1, 1]  # the failed batch, then each request alone
     assert pipeline.stats.bisections == 1
 
 
@@ -669,8 +669,130 @@ async def test_one_poison_request_in_a_batch_of_64_fails_alone(
     assert [(d.request_id, d.error["reason"], d.attempts) for d in letters] == [
         ("dev-5-37", "inference_failed", 1)
     ]
-    assert engine.batch_sizes[0] == 64
-    assert len(engine.batch_sizes) <= 1 + 2 * 6  # bisection: two halves per level, log2(64)
+    assert engine.batch_sizes == [64] + [1] * 64  # the failed batch, then each request alone
+
+
+class RecordingFaultyEngine(FaultyEngine):
+    """A :class:`FaultyEngine` that records every batch it is given: the items (their bytes)
+    and whether it failed."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls: list[tuple[list[bytes], bool]] = []
+
+    def infer_impl(self, feeds: Any) -> dict[str, np.ndarray]:
+        items = [np.asarray(x).tobytes() for x in feeds[self.inputs[0].name]]
+        try:
+            out = super().infer_impl(feeds)
+        except Exception:
+            self.calls.append((items, True))
+            raise
+        self.calls.append((items, False))
+        return out
+
+    def runs_of(self, pixels: np.ndarray) -> list[tuple[int, bool]]:
+        """``(batch size, failed)`` of every call that held the item of these raw pixels."""
+        item = (pixels.astype(np.float32) / 16.0).reshape(1, 8, 8).tobytes()
+        return [(len(items), failed) for items, failed in self.calls if item in items]
+
+
+#: The issue-19 fault: every batch holding an item whose first pixel is -1 fails (retriable).
+MINUS_ONE_RULE = {"match_first_value": -1.0 / 16.0, "kind": "runtime"}
+
+
+def minus_one(images: np.ndarray, i: int) -> np.ndarray:
+    pixels = images[i].astype(np.float32)
+    pixels[0, 0] = -1.0
+    return pixels
+
+
+async def test_a_poison_request_costs_each_neighbour_one_extra_engine_run(
+    start_pipeline: StartPipeline, images: np.ndarray
+) -> None:
+    engine = RecordingFaultyEngine(FakeEngine(), [MINUS_ONE_RULE])
+    sink, source = FakeSink(), Source()
+    pipeline = await start_pipeline(
+        ThreadExecutor(engine, max_inflight=2), sink, max_batch_size=8,
+        max_batch_delay_ms=60_000.0,
+    )
+    frames = [minus_one(images, i) if i == 3 else images[i].astype(np.float32)
+              for i in range(8)]
+    assert len({f.tobytes() for f in frames}) == 8
+    await pipeline.handle_many([
+        good(source, f, "bad" if i == 3 else f"ok-{i}", 0) for i, f in enumerate(frames)
+    ])
+    await wait_for(lambda: len(source.acked) == 8)
+
+    assert sorted(r["device_id"] for r in results_of(sink, pipeline)) == sorted(
+        f"ok-{i}" for i in range(8) if i != 3
+    )
+    assert [r.request_id for r in retry_records(sink, pipeline)] == ["bad-0"]
+    for i, f in enumerate(frames):
+        runs = engine.runs_of(f)
+        assert runs[0] == (8, True)  # the batch the poison failed
+        assert len(runs) == 2, (i, runs)  # then once more, alone: one extra run each
+        assert runs[1] == (1, i == 3)
+    assert len(engine.calls) == 1 + 8
+
+
+async def test_retries_and_a_failing_device_run_alone_never_with_healthy_requests(
+    start_pipeline: StartPipeline, images: np.ndarray
+) -> None:
+    engine = RecordingFaultyEngine(FakeEngine(), [MINUS_ONE_RULE])
+    sink, source, store = FakeSink(), Source(), MemoryRetryStore()
+    pipeline = await start_pipeline(
+        ThreadExecutor(engine, max_inflight=2), sink, max_batch_size=4,
+        max_batch_delay_ms=20.0, retry_store=store, max_retries=1,
+    )
+    poison = minus_one(images, 0)
+    await pipeline.handle_many([
+        good(source, poison, "bad", 0),
+        *(good(source, images[i], f"ok-{i}", 0) for i in (1, 2, 3)),
+    ])
+    await wait_for(lambda: len(retry_records(sink, pipeline)) == 1)
+    calls_before = len(engine.calls)
+
+    # The retry, the bad device's next request and fresh healthy requests, read together.
+    (record,) = retry_records(sink, pipeline)
+    store.record_attempt(record, None)
+    retry = source.message(record.value, record.key)
+    retry.retry = record
+    healthy = [images[i].astype(np.float32) for i in (4, 5, 6, 7)]
+    await pipeline.handle_many([
+        retry,
+        good(source, minus_one(images, 8), "bad", 1),
+        *(good(source, f, f"ok-{i}", 1) for i, f in enumerate(healthy)),
+    ])
+    await wait_for(lambda: len(source.acked) == 4 + 6)
+
+    later = engine.calls[calls_before:]
+    assert all(not failed for items, failed in later if len(items) > 1)
+    assert sorted(len(items) for items, _ in later) == [1, 1, 4]
+    for f in healthy:
+        assert engine.runs_of(f) == [(4, False)]  # no extra run at all
+    (letter,) = dead_letters_of(sink, pipeline)
+    assert (letter.request_id, letter.error["reason"]) == ("bad-0", "retries_exhausted")
+    assert [r.request_id for r in retry_records(sink, pipeline)] == ["bad-0", "bad-1"]
+
+
+async def test_a_batch_failing_whole_quarantines_no_device(
+    start_pipeline: StartPipeline, images: np.ndarray
+) -> None:
+    # The engine fails the batch and every request run alone: nothing points at one request.
+    engine = RecordingFaultyEngine(FakeEngine(), [{"kind": "runtime", "times": 5}])
+    sink, source = FakeSink(), Source()
+    pipeline = await start_pipeline(
+        ThreadExecutor(engine, max_inflight=2), sink, max_batch_size=4,
+        max_batch_delay_ms=60_000.0,
+    )
+    await pipeline.handle_many([good(source, images[i], f"dev-{i}", 0) for i in range(4)])
+    await wait_for(lambda: len(retry_records(sink, pipeline)) == 4)
+    await pipeline.handle_many([good(source, images[i], f"dev-{i}", 1) for i in range(4, 8)])
+    await wait_for(lambda: len(results_of(sink, pipeline)) == 4)
+
+    assert [(len(items), failed) for items, failed in engine.calls] == [
+        (4, True), (1, True), (1, True), (1, True), (1, True), (4, False),
+    ]
 
 
 class FlakyOn:
