@@ -38,8 +38,19 @@ def _env(settings: Settings, data_dir: Path) -> dict[str, str]:
         "STREAMAPP_WEB_PORT": "0",  # a free port per child, listed in supervisor.json
         "STREAMAPP_MAX_BATCH_SIZE": "16", "STREAMAPP_COMMIT_INTERVAL_MS": "20",
         "PYTHONUNBUFFERED": "1",
+        # Two GPUs as the supervisor sees them (issue 23): it hands them out round-robin; the
+        # onnxruntime backend on CPU ignores the variable, so this runs on any machine.
+        "CUDA_VISIBLE_DEVICES": "0,1",
     })
     return env
+
+
+def _cuda_visible_devices(pid: int) -> str | None:
+    """``CUDA_VISIBLE_DEVICES`` in the environment process ``pid`` was started with."""
+    for entry in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+        if entry.startswith(b"CUDA_VISIBLE_DEVICES="):
+            return entry.split(b"=", 1)[1].decode()
+    return None
 
 
 @pytest.fixture
@@ -122,6 +133,9 @@ async def test_two_supervised_workers_survive_a_sigkill_and_drain_on_sigterm(
                  proc, tmp_path)
     for c in _children(tmp_path):
         assert (Path(c["data_dir"]) / LOCK_NAME).read_text().strip() == f"worker (pid {c['pid']})"
+    # each child runs on its own GPU, and only that one
+    assert [_cuda_visible_devices(c["pid"]) for c in _children(tmp_path)] == ["0", "1"]
+    assert [c["gpu"] for c in _children(tmp_path)] == ["0", "1"]
 
     images, _ = load_digits_frames()
     total = 3000
@@ -135,6 +149,8 @@ async def test_two_supervised_workers_survive_a_sigkill_and_drain_on_sigterm(
     await _until("worker 1 restarted and ready", lambda: (
         (c := _children(tmp_path)[1])["restarts"] == 1 and c["pid"] not in (None, victim["pid"])
         and _ready(c["url"])), proc, tmp_path)
+    # the child killed on GPU 1 came back on GPU 1
+    assert _cuda_visible_devices(_children(tmp_path)[1]["pid"]) == "1"
     await publisher
     out = await collect_outcomes(
         bootstrap, settings.result_topic, settings.dlq_topic,
