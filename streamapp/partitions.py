@@ -122,8 +122,8 @@ def plan_partitions(settings: Settings, existing: Mapping[str, int]) -> Partitio
         (a, na), (b, nb) = sources.items()
         high = max(na, nb)
         raise TablePartitionsError(
-            f"the request topic {a} has {na} partitions and the retry topic {b} {nb}: they must "
-            f"be equal (the tables are co-partitioned with both); stop the workers of group "
+            f"the request topic {a} has {na} partitions and the retry topic {b} has {nb}: they "
+            f"must be equal (the tables are co-partitioned with both); stop the workers of group "
             f"{settings.app_id!r} and run `{rebuild_command(settings, high)}`"
         )
     counts = list(sources.values()) or list(changelogs.values())

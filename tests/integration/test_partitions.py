@@ -13,39 +13,11 @@ import pytest
 
 from streamapp.client import digits_requests, load_digits_frames, publish
 from streamapp.kafka import cluster_facts
-from streamapp.process import WorkerProcess
-from streamapp.settings import Settings, load_settings
 from tests.conftest import Broker
 from tests.integration.conftest import wait_for
+from tests.partition_workers import device_totals, fresh_settings, start_worker
 
 pytestmark = [pytest.mark.kafka]
-
-
-def device_totals(worker: WorkerProcess, devices: list[str]) -> dict[str, int | None]:
-    """``total`` of each device's ``/devices/{id}`` answer (None: not 200)."""
-    out: dict[str, int | None] = {}
-    for device in devices:
-        status, body = worker.get(f"/devices/{device}", timeout_s=10)
-        out[device] = body.get("total") if status == 200 else None
-    return out
-
-
-def fresh_settings(kafka_broker: Broker, app_id: str, **extra: Any) -> Settings:
-    """Settings of a worker with its own group and topics, none of them created yet."""
-    return load_settings(broker=kafka_broker.url, app_id=app_id, topic_prefix=f"{app_id}.",
-                         backend="onnxruntime", **extra)
-
-
-def start_worker(settings: Settings, tmp_path: Path, name: str = "w", **extra: Any
-                 ) -> WorkerProcess:
-    """A worker with the defaults (no topic_partitions given) on ``settings``' group."""
-    return WorkerProcess(
-        {"broker": settings.broker, "app_id": settings.app_id,
-         "topic_prefix": settings.topic_prefix, "backend": "onnxruntime",
-         "data_dir": tmp_path / f"data-{name}", "max_batch_size": 16, "max_batch_delay_ms": 5,
-         **extra},
-        log_path=tmp_path / f"{name}.log",
-    )
 
 
 async def test_a_worker_started_after_a_gateway_published_keeps_every_devices_total(
