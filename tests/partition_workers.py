@@ -28,15 +28,15 @@ def fresh_settings(kafka_broker: Broker, app_id: str, **extra: Any) -> Settings:
                          backend="onnxruntime", **extra)
 
 
-def start_worker(settings: Settings, tmp_path: Path, name: str = "w", **extra: Any
-                 ) -> WorkerProcess:
+def start_worker(settings: Settings, tmp_path: Path, name: str = "w",
+                 args: tuple[str, ...] = (), **extra: Any) -> WorkerProcess:
     """A worker with the defaults (no topic_partitions given) on ``settings``' group."""
     return WorkerProcess(
         {"broker": settings.broker, "app_id": settings.app_id,
          "topic_prefix": settings.topic_prefix, "backend": "onnxruntime",
          "data_dir": tmp_path / f"data-{name}", "max_batch_size": 16, "max_batch_delay_ms": 5,
          **extra},
-        log_path=tmp_path / f"{name}.log",
+        log_path=tmp_path / f"{name}.log", args=args,
     )
 
 
