@@ -22,6 +22,7 @@ from streamapp.delivery import Delivery
 from streamapp.faust_compat import (
     FaustConsumer,
     FaustSink,
+    changelog_topics,
     event_context,
     guard_undecodable_batches,
     set_fetch_max_wait,
@@ -30,6 +31,12 @@ from streamapp.faust_compat import (
     tolerate_stale_member_url,
 )
 from streamapp.kafka import resolve_broker_kind, ssl_context
+from streamapp.partitions import (
+    RETRY_TABLE,
+    PartitionCheck,
+    TablePartitionsError,
+    wait_for_metadata,
+)
 from streamapp.retry import RetryRecord
 from streamapp.runtime import WorkerRuntime
 from streamapp.settings import Settings, load_settings
@@ -89,6 +96,9 @@ def faust_options(settings: Settings) -> dict[str, Any]:
         # is the bind address; a wildcard bind would advertise 0.0.0.0).
         "canonical_url": URL(f"http://{advertised_host(settings)}:{settings.web_port}"),
         "recovery_consistency_check": settings.consistency_check,
+        # New partitions are seen (and read) within this, not Faust's 5 min (issue 18).
+        "consumer_metadata_max_age_ms": int(settings.metadata_refresh_interval_s * 1000),
+        "producer_metadata_max_age_ms": int(settings.metadata_refresh_interval_s * 1000),
     }
 
 
@@ -101,15 +111,23 @@ class TableRetryStore:
     ready once any request had been retried.
     """
 
-    def __init__(self, table: Any) -> None:
+    def __init__(self, table: Any, check: PartitionCheck | None = None) -> None:
         self.table = table
+        self.check = check
+
+    def _writable(self) -> bool:
+        return self.check is None or self.check.gate()
 
     def record_attempt(self, record: RetryRecord, event: Any) -> None:
+        if not self._writable():
+            return
         with event_context(event):
             self.table[record.request_id.encode()] = json.dumps(record.row()).encode()
 
     def finish(self, request_id: str, event: Any) -> None:
         key = request_id.encode()
+        if not self._writable():
+            return
         with event_context(event):
             if key in self.table:
                 del self.table[key]
@@ -155,19 +173,20 @@ def create_app(settings: Settings | None = None) -> faust.App:
     # Memory store + changelog: restored from the changelog on start; no persisted offsets that
     # Tansu's wrong ListOffsets answer could contradict (docs/broker.md).
     retry_counts = app.Table(
-        "retry_counts",
+        RETRY_TABLE,
         # key_type/value_type bytes select Faust's raw serializers for the changelog too (a
         # Schema argument does not reach the changelog topic's key decoding in Faust 0.15.3)
         key_type=bytes, value_type=bytes,
         partitions=partitions, store="memory://",
         extra_topic_configs=conf.changelog_topic_configs,
     )
-    retry_store = TableRetryStore(retry_counts)
+    check = PartitionCheck(app, conf)
+    retry_store = TableRetryStore(retry_counts, check)
     faust_side = FaustConsumer(app, conf)
     delivery = Delivery(faust_side, commit_interval_s=conf.commit_interval_ms / 1000.0)
     runtime = WorkerRuntime(conf, delivery, faust_side)
     sink = FaustSink(outputs, app)
-    state = build_state(app, conf, runtime)  # device tables and metrics
+    state = build_state(app, conf, runtime, check)  # device tables and metrics
     install_views(app, state)  # /health /ready /engines /metrics /devices ...
     observers = state.observers
     tolerate_stale_member_url(app)
@@ -178,6 +197,12 @@ def create_app(settings: Settings | None = None) -> faust.App:
 
     @app.on_partitions_assigned.connect  # type: ignore[arg-type]
     async def on_assigned(app_: Any, assigned: set[Any], **kwargs: Any) -> None:
+        try:  # before any table write: Faust would read an unknown changelog as 0 partitions
+            await wait_for_metadata(app, dict.fromkeys(changelog_topics(app), partitions))
+        except TablePartitionsError as exc:
+            log.critical("%s", exc)
+            await app.crash(exc)
+            return
         set_fetch_max_wait(app, conf.fetch_max_wait_ms)
         set_read_committed(app)
         # room for one state flush (a stats row and window buckets per device touched since
@@ -190,6 +215,11 @@ def create_app(settings: Settings | None = None) -> faust.App:
             (tp.topic, tp.partition) for tp in assigned
             if tp.topic in (conf.request_topic, conf.retry_topic)
         })
+
+    @app.timer(conf.metadata_refresh_interval_s)
+    async def check_partitions() -> None:
+        # logs the ERROR line even while no request and no /ready call looks
+        _ = check.degraded
 
     @app.on_before_shutdown.connect  # type: ignore[arg-type]
     async def on_shutdown(app_: Any, **kwargs: Any) -> None:

@@ -1,5 +1,5 @@
 """The ``streamapp`` command line: ``broker``, ``worker``, ``publish``, ``demo``, ``settings``,
-``status``, ``results tail`` and ``dlq tail`` / ``dlq replay``."""
+``status``, ``results tail``, ``dlq tail`` / ``dlq replay`` and ``tables rebuild``."""
 
 from __future__ import annotations
 
@@ -101,6 +101,17 @@ def use_event_loop(name: str) -> None:
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 
 
+def _changelog_topics(settings: Any, app: Any) -> list[str]:
+    """The changelog topics of the worker's tables (of ``app`` when built, else by name)."""
+    if app is not None:
+        from streamapp.faust_compat import changelog_topics
+
+        return changelog_topics(app)
+    from streamapp.partitions import TABLE_NAMES, changelog_topic
+
+    return [changelog_topic(settings.app_id, t) for t in TABLE_NAMES]
+
+
 @cli.command()
 def worker(
     broker: Broker = None,
@@ -123,13 +134,23 @@ def worker(
         min=1, help="Run and supervise N worker processes of one group on this host (own "
         "data dir, web port, group instance id and GPU each; restarted when they die). "
         "See docs/scaling.md.")] = None,
+    reset_data_dir: Annotated[bool, typer.Option(
+        "--reset-data-dir", help="Start afresh when the data dir holds the tables of another "
+        "cluster or app: drop them (this cluster's are restored from its changelogs).")]
+    = False,
 ) -> None:
     """Run a worker: consume requests, batch, infer, produce results and dead letters.
 
     Every option can also be set as an environment variable STREAMAPP_<OPTION> (flags win).
     """
-    from streamapp.datadir import lock_data_dir
-    from streamapp.kafka import create_topics, kafka_security_options, resolve_broker_kind
+    from streamapp.datadir import check_data_dir, lock_data_dir
+    from streamapp.kafka import (
+        cluster_facts,
+        create_topics,
+        kafka_security_options,
+        resolve_broker_kind,
+    )
+    from streamapp.partitions import plan_partitions
     from streamapp.settings import load_settings
 
     flags: dict[str, Any] = dict(
@@ -146,19 +167,37 @@ def worker(
         # One process per data directory (RocksDB): fail here, before joining the group.
         lock_data_dir(settings.data_dir, holder="supervisor" if processes else "worker")
         _check_web_ports(settings, processes or 1)
+        # The tables take the partition count of the topics that exist (a gateway may have
+        # published first and the broker auto-created the request topic), or refuse.
+        facts = cluster_facts(settings)
+        plan = plan_partitions(settings, facts.partitions)
+        notes = list(plan.notes)
+        settings = settings.model_copy(update={"topic_partitions": plan.partitions})
         app = None
         if processes is None:
             from streamapp.app import create_app
 
+            note = check_data_dir(
+                settings.data_dir, cluster_id=facts.cluster_id, app_id=settings.app_id,
+                partitions=settings.topic_partitions, reset=reset_data_dir,
+            )
+            notes += [note] if note else []
             app = create_app(settings)
             loaded = app.streamapp_runtime.preload()  # type: ignore[attr-defined]
-        # Create our topics with the configured partition count before Faust touches them:
-        # brokers that auto-create topics (Tansu does) would otherwise pick their default.
+        for line in notes:
+            typer.secho(f"warning: {line}", fg=typer.colors.YELLOW, err=True)
+        # Create our topics and the tables' changelogs before Faust touches them: brokers that
+        # auto-create topics (Tansu does) would pick their default count, and a changelog Faust
+        # creates once its consumer has fetched metadata is read as 0 partitions (issue 18).
+        topics = {t: settings.topic_partitions for t in settings.topics}
+        changelogs = _changelog_topics(settings, app)
         create_topics(
             settings.bootstrap_servers,
-            {t: settings.topic_partitions for t in settings.topics},
+            {**topics, **dict.fromkeys(changelogs, settings.topic_partitions)},
             replication_factor=settings.topic_replication_factor,
             security=kafka_security_options(settings),
+            configs={name: {"cleanup.policy": "compact", **settings.changelog_topic_configs}
+                     for name in changelogs},
         )
     except (StreamAppError, EngineError) as exc:
         raise _fail(str(exc)) from None
@@ -185,7 +224,11 @@ def publish(
     topic_prefix: Annotated[Optional[str], typer.Option()] = None,
     model: Annotated[str, typer.Option(help="Model name put in each request.")] = "digits",
 ) -> None:
-    """Publish scikit-learn's handwritten digits as frames from N devices (keyed by device)."""
+    """Publish scikit-learn's handwritten digits as frames from N devices (keyed by device).
+
+    Creates the request topic with STREAMAPP_TOPIC_PARTITIONS partitions (default 16) when it
+    does not exist, so that a worker started later finds the count its tables use.
+    """
     from streamapp.client import digits_requests, load_digits_frames
     from streamapp.client import publish as publish_requests
     from streamapp.kafka import kafka_security_options
@@ -208,8 +251,12 @@ def publish(
                 settings.bootstrap_servers, settings.request_topic, requests,
                 codec=codec,  # type: ignore[arg-type]
                 rate_per_s=rate, progress=True, security=security,
+                partitions=settings.topic_partitions,
+                replication_factor=settings.topic_replication_factor,
             )
         )
+    except StreamAppError as exc:
+        raise _fail(str(exc)) from None
     except KafkaError as exc:
         raise _fail(_unreachable(settings.bootstrap_servers, exc)) from None
     span = sent[-1].sent_at - sent[0].sent_at if len(sent) > 1 else 0.0
@@ -519,6 +566,46 @@ def results_tail(
             )
 
     _run_tail(settings.bootstrap_servers, run)
+
+
+# -- tables (streamapp.rebuild) -----------------------------------------------------------------
+
+tables_cli = _command_group("tables", "Maintain the worker's tables (device state, retry "
+                            "counters) and their changelog topics.")
+
+
+@tables_cli.command("rebuild")
+def tables_rebuild(
+    broker: Broker = None,
+    app_id: Annotated[Optional[str], typer.Option(help="The workers' app id (consumer "
+                      "group; env STREAMAPP_APP_ID).")] = None,
+    topic_prefix: TopicPrefix = None,
+    partitions: Annotated[Optional[int], typer.Option(min=1, help="Partition count to move "
+                          "to (default: the request topic's); the request and retry topics "
+                          "are grown to it too.")] = None,
+) -> None:
+    """Move the tables to the request topic's partition count, after partitions were added.
+
+    Stop every worker of the group first. Grows the retry topic and the changelogs, then writes
+    each row whose partition changed to its new partition (nothing is lost; running it again
+    is safe). Workers started afterwards restore their tables from the changelogs.
+    """
+    from streamapp.rebuild import rebuild_tables
+    from streamapp.settings import load_settings
+
+    try:
+        settings = load_settings(broker=broker, app_id=app_id, topic_prefix=topic_prefix)
+        report = rebuild_tables(settings, partitions)
+    except StreamAppError as exc:
+        raise _fail(str(exc)) from None
+    except KafkaError as exc:
+        raise _fail(_unreachable(settings.bootstrap_servers, exc)) from None
+    for topic, (before, after) in report.grown.items():
+        typer.echo(f"grew {topic} from {before} to {after} partitions")
+    for table, rows in report.rows.items():
+        typer.echo(f"{table}: {rows} rows, {report.moved[table]} moved to their new partition")
+    typer.echo(f"tables of {settings.app_id!r} have {report.partitions} partitions; start the "
+               "workers (they restore their tables from the changelogs)")
 
 
 # -- status (streamapp.status) -------------------------------------------------------------------

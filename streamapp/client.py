@@ -18,8 +18,9 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from tqdm import tqdm
 
 from streamapp.codecs import CodecName, decode_dead_letter, decode_result, encode_request
-from streamapp.kafka import partitions_of, start_or_close
+from streamapp.kafka import ensure_topics, partitions_of, start_or_close
 from streamapp.records import DeadLetter, InferenceRequest, TensorPayload
+from streamapp.settings import DEFAULT_TOPIC_PARTITIONS
 
 __all__ = [
     "Outcomes",
@@ -107,6 +108,19 @@ def digits_requests(
     return out
 
 
+async def _ensure_topic(
+    bootstrap_servers: str, topic: str, partitions: int | None,
+    security: Mapping[str, Any] | None, replication_factor: int = 1,
+) -> None:
+    """Create ``topic`` with ``partitions`` partitions if it does not exist, before the producer
+    asks for its metadata (brokers that auto-create topics would pick their own default count:
+    4 on the embedded broker, ``num.partitions`` on Kafka, and the worker's tables follow the
+    request topic's count)."""
+    if partitions is not None:
+        await ensure_topics(bootstrap_servers, {topic: partitions}, security=security,
+                            replication_factor=replication_factor)
+
+
 def _producer(bootstrap_servers: str, security: Mapping[str, Any] | None) -> AIOKafkaProducer:
     return AIOKafkaProducer(
         bootstrap_servers=bootstrap_servers, acks="all", linger_ms=2, request_timeout_ms=30_000,
@@ -123,6 +137,8 @@ async def publish(
     rate_per_s: float | None = None,
     progress: bool = False,
     security: Mapping[str, Any] | None = None,
+    partitions: int | None = DEFAULT_TOPIC_PARTITIONS,
+    replication_factor: int = 1,
 ) -> list[SentRequest]:
     """Publish requests keyed by ``device_id`` (UTF-8), stamping ``ts`` at send time.
 
@@ -134,10 +150,18 @@ async def publish(
         rate_per_s: Open-loop send rate (requests/s); None sends as fast as possible.
         progress: Show a progress bar on stderr (only when stderr is a terminal).
         security: aiokafka security options (:func:`kafka_security_options`); None: plaintext.
+        partitions: Create ``topic`` with this many partitions when it does not exist (the
+            worker's ``topic_partitions``); None: leave that to the broker.
+        replication_factor: Replicas of a topic created here.
 
     Returns:
         One :class:`SentRequest` per request, after the broker acknowledged all of them.
+
+    Raises:
+        BrokerError: The topic could not be created.
+        KafkaError: The producer could not reach the broker or send.
     """
+    await _ensure_topic(bootstrap_servers, topic, partitions, security, replication_factor)
     producer = _producer(bootstrap_servers, security)
     await start_or_close(producer)
     sent: list[SentRequest] = []
@@ -178,11 +202,14 @@ async def publish_values(
     records: Iterable[tuple[bytes | None, bytes]],
     *,
     security: Mapping[str, Any] | None = None,
+    partitions: int | None = DEFAULT_TOPIC_PARTITIONS,
 ) -> None:
     """Publish raw ``(key, value)`` records in order (for bad-input tests and replays).
 
     ``security``: aiokafka security options (:func:`kafka_security_options`); None: plaintext.
+    ``partitions``: as in :func:`publish` (the topic is created when missing).
     """
+    await _ensure_topic(bootstrap_servers, topic, partitions, security)
     producer = _producer(bootstrap_servers, security)
     await start_or_close(producer)
     try:

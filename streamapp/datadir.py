@@ -1,4 +1,6 @@
-"""One worker per data directory: an OS file lock held for the life of the process.
+"""One worker per data directory, and a data directory for one cluster and app.
+
+**Lock.** An OS file lock held for the life of the process.
 
 Faust keeps RocksDB tables under the data directory; a second worker on the same directory used
 to fail deep inside Faust ("DB for partition 3 is locked!", once per partition) after joining the
@@ -6,21 +8,44 @@ group. :func:`lock_data_dir` takes an exclusive ``fcntl.flock`` on ``<data_dir>/
 before the app is created, so the second worker stops at once with one line naming the setting
 to change. The kernel drops a flock when its last file descriptor closes, including on SIGKILL,
 so a crashed worker never leaves a stale lock behind (the file itself stays; it is harmless).
+
+**Marker.** The tables in a data directory hold offsets of one cluster's changelogs. Pointed at
+another cluster (the README's embedded broker, then its Apache Kafka, both with ``./data``),
+Faust stopped after 8 s with 287 log lines and ``ConsistencyError`` ("persisted offset ... is
+higher than the last offset"), or, with the check off, served another cluster's counts.
+:func:`check_data_dir` keeps ``<data_dir>/streamapp-data.json`` (cluster id, app id, table
+partitions) and refuses a directory of another cluster or app with one line; tables kept for
+another partition count (before ``streamapp tables rebuild``) are dropped, to be restored from
+the rebuilt changelogs.
 """
 
 from __future__ import annotations
 
 import fcntl
+import json
 import os
+import re
+import shutil
 from pathlib import Path
 from typing import IO
 
 from streamapp.exceptions import ConfigError
 
-__all__ = ["LOCK_NAME", "DataDirInUseError", "lock_data_dir"]
+__all__ = [
+    "LOCK_NAME",
+    "MARKER_NAME",
+    "DataDirInUseError",
+    "DataDirMismatchError",
+    "check_data_dir",
+    "lock_data_dir",
+]
 
 #: The lock file's name inside the data directory.
 LOCK_NAME = "streamapp.lock"
+#: The marker file's name inside the data directory (JSON: cluster_id, app_id, partitions).
+MARKER_NAME = "streamapp-data.json"
+#: Faust's per-version directories (``v1/tables/<table>-<partition>.db``).
+_FAUST_DIR = re.compile(r"v\d+")
 
 # Locks held by this process, by resolved directory: kept referenced so that they are never
 # closed (closing the descriptor would release the lock) and taken only once per process.
@@ -69,3 +94,72 @@ def lock_data_dir(data_dir: Path, *, holder: str = "worker") -> Path:
     handle.flush()
     _HELD[data_dir] = handle
     return path
+
+
+class DataDirMismatchError(ConfigError):
+    """The data directory holds the tables of another cluster or app (not retriable: give the
+    worker another directory, or start afresh with ``--reset-data-dir``)."""
+
+
+def _drop_tables(data_dir: Path) -> bool:
+    """Remove Faust's table stores under ``data_dir``; True when there were some."""
+    found = False
+    for child in data_dir.iterdir():
+        if child.is_dir() and _FAUST_DIR.fullmatch(child.name):
+            shutil.rmtree(child)
+            found = True
+    return found
+
+
+def check_data_dir(
+    data_dir: Path, *, cluster_id: str, app_id: str, partitions: int, reset: bool = False
+) -> str | None:
+    """Check that ``data_dir`` belongs to this cluster and app, and record that it does.
+
+    Args:
+        data_dir: The worker's data directory (created when missing).
+        cluster_id: The id the broker reports (:func:`streamapp.kafka.cluster_facts`).
+        app_id: The worker's app id (consumer group).
+        partitions: The tables' partition count.
+        reset: Drop the local tables of another cluster or app instead of refusing.
+
+    Returns:
+        A WARNING line when local tables were dropped (another partition count, or ``reset``),
+        else None.
+
+    Raises:
+        DataDirMismatchError: The directory's tables belong to another cluster or app; the
+            message names both and the options ``--data-dir`` and ``--reset-data-dir``.
+    """
+    data_dir = Path(data_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    path = data_dir / MARKER_NAME
+    mine = {"cluster_id": cluster_id, "app_id": app_id, "partitions": partitions}
+    try:
+        kept = json.loads(path.read_text())
+    except (OSError, ValueError):
+        kept = None  # a new directory, or one from before the marker: adopt it
+    note = None
+    if isinstance(kept, dict):
+        theirs = (kept.get("cluster_id"), kept.get("app_id"))
+        if theirs != (cluster_id, app_id):
+            if not reset:
+                raise DataDirMismatchError(
+                    f"data directory {data_dir.resolve()} holds the tables of app {theirs[1]!r} "
+                    f"on cluster {theirs[0]!r}, not of app {app_id!r} on this cluster "
+                    f"{cluster_id!r}: give this worker its own --data-dir (STREAMAPP_DATA_DIR), "
+                    "or start afresh with --reset-data-dir (drops these tables; this "
+                    "cluster's are restored from its changelogs)"
+                )
+            if _drop_tables(data_dir):
+                note = (f"dropped the tables of app {theirs[1]!r} on cluster {theirs[0]!r} "
+                        f"from {data_dir} (--reset-data-dir)")
+        elif kept.get("partitions") != partitions and _drop_tables(data_dir):
+            note = (f"dropped the local tables of {data_dir}: they were kept for "
+                    f"{kept.get('partitions')} partitions, the tables now have {partitions} "
+                    "(streamapp tables rebuild); restoring them from the changelogs")
+    if kept != mine:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(mine) + "\n")
+        tmp.replace(path)
+    return note

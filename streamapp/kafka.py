@@ -14,11 +14,12 @@ import logging
 import ssl
 import threading
 import time
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.admin import AIOKafkaAdminClient, NewPartitions, NewTopic
 from aiokafka.client import AIOKafkaClient
 from aiokafka.errors import KafkaError, for_code
 
@@ -28,7 +29,11 @@ from streamapp.settings import Settings
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "ClusterFacts",
+    "add_partitions",
+    "cluster_facts",
     "create_topics",
+    "ensure_topics",
     "kafka_security_options",
     "partitions_of",
     "probe_metadata",
@@ -36,6 +41,7 @@ __all__ = [
     "run_sync",
     "ssl_context",
     "start_or_close",
+    "with_admin",
 ]
 
 _T = TypeVar("_T")
@@ -209,6 +215,7 @@ def create_topics(
     replication_factor: int = 1,
     timeout_s: float = 15.0,
     security: Mapping[str, Any] | None = None,
+    configs: Mapping[str, Mapping[str, str]] | None = None,
 ) -> list[str]:
     """Create the topics that do not exist yet.
 
@@ -223,6 +230,8 @@ def create_topics(
         timeout_s: Seconds the whole operation may take.
         security: aiokafka security options
             (:func:`kafka_security_options`); None: plaintext.
+        configs: Topic name -> topic configs (e.g. ``{"cleanup.policy": "compact"}``) for
+            the topics created here; other topics get the broker's defaults.
 
     Returns:
         Names of the topics this call created, in the order given.
@@ -240,24 +249,32 @@ def create_topics(
     if not topics:
         return []
     return run_sync(
-        lambda: _create_topics(
-            bootstrap_servers, dict(topics), replication_factor, timeout_s, security or {}
+        lambda: ensure_topics(
+            bootstrap_servers, topics, replication_factor=replication_factor,
+            timeout_s=timeout_s, security=security, configs=configs,
         )
     )
 
 
-async def _create_topics(
+async def ensure_topics(
     bootstrap_servers: str,
-    topics: dict[str, int],
-    replication_factor: int,
-    timeout_s: float,
-    security: Mapping[str, Any],
+    topics: Mapping[str, int],
+    *,
+    replication_factor: int = 1,
+    timeout_s: float = 15.0,
+    security: Mapping[str, Any] | None = None,
+    configs: Mapping[str, Mapping[str, str]] | None = None,
 ) -> list[str]:
+    """:func:`create_topics` for async callers (the names and counts are not checked here)."""
+    topics = dict(topics)
+    if not topics:
+        return []
     admin = AIOKafkaAdminClient(
         bootstrap_servers=bootstrap_servers,
         request_timeout_ms=max(1, int(timeout_s * 1000)),
-        **security,
+        **(security or {}),
     )
+    configs = configs or {}
     try:
         async with asyncio.timeout(timeout_s):
             await admin.start()
@@ -267,7 +284,11 @@ async def _create_topics(
             if not missing:
                 return []
             response = await admin.create_topics(
-                [NewTopic(name, topics[name], replication_factor) for name in missing]
+                [
+                    NewTopic(name, topics[name], replication_factor,
+                             topic_configs=dict(configs.get(name, {})))
+                    for name in missing
+                ]
             )
     except TimeoutError as err:
         raise BrokerError(
@@ -295,6 +316,103 @@ async def _create_topics(
             "Fix the topic name or partition count, or delete the conflicting topic."
         )
     return [name for name in missing if name in created]
+
+
+@dataclass(frozen=True)
+class ClusterFacts:
+    """What a broker says about itself and its topics.
+
+    Attributes:
+        cluster_id: The id the cluster reports (Apache Kafka: a base64 UUID fixed when its
+            storage was formatted; the embedded broker: always ``tansu_cluster``); "" when none.
+        partitions: Topic name -> partition count, of every topic that exists.
+    """
+
+    cluster_id: str
+    partitions: dict[str, int] = field(default_factory=dict)
+
+
+async def with_admin(
+    settings: Settings, use: Callable[[AIOKafkaAdminClient], Awaitable[_T]],
+    timeout_s: float = 15.0,
+) -> _T:
+    """Run ``use(admin)`` with an admin client of ``settings.broker`` (security included),
+    closed afterwards; the whole call is bounded by ``timeout_s`` seconds.
+
+    Raises:
+        TimeoutError: It took longer. KafkaError / OSError: from aiokafka.
+    """
+    admin = AIOKafkaAdminClient(
+        bootstrap_servers=settings.bootstrap_servers,
+        request_timeout_ms=max(1, int(timeout_s * 1000)),
+        **kafka_security_options(settings),
+    )
+    try:
+        async with asyncio.timeout(timeout_s):
+            await admin.start()
+            return await use(admin)
+    finally:
+        await admin.close()
+
+
+def cluster_facts(settings: Settings, timeout_s: float = 15.0) -> ClusterFacts:
+    """Ask ``settings.broker`` for its cluster id and the partition counts of its topics.
+
+    Asks for the metadata of all topics (naming none), so the embedded broker auto-creates
+    nothing.
+
+    Raises:
+        BrokerError: The broker did not answer within ``timeout_s`` (seconds).
+    """
+
+    async def ask(admin: AIOKafkaAdminClient) -> ClusterFacts:
+        described = await admin.describe_cluster()
+        topics = await admin.describe_topics()
+        return ClusterFacts(
+            cluster_id=str(described.get("cluster_id") or ""),
+            partitions={
+                t["topic"]: len(t["partitions"]) for t in topics
+                if not t.get("error_code") and t["partitions"]
+            },
+        )
+
+    try:
+        return run_sync(lambda: with_admin(settings, ask, timeout_s))
+    except (KafkaError, OSError, TimeoutError) as exc:
+        raise BrokerError(
+            f"cannot read the topics of {settings.bootstrap_servers} ({type(exc).__name__}: "
+            f"{exc}); is the broker running, and are --broker and the security settings right?"
+        ) from exc
+
+
+def add_partitions(
+    settings: Settings, totals: Mapping[str, int], timeout_s: float = 30.0
+) -> None:
+    """Grow existing topics to ``totals`` partitions (Kafka's CreatePartitions; the embedded
+    broker refuses it). Kafka cannot remove partitions.
+
+    Args:
+        settings: The broker and security settings.
+        totals: Topic name -> the partition count it should have (larger than it has).
+        timeout_s: Seconds the broker may take.
+
+    Raises:
+        BrokerError: The broker refused (the Kafka error is named) or did not answer.
+    """
+    if not totals:
+        return
+
+    async def grow(admin: AIOKafkaAdminClient) -> None:
+        await admin.create_partitions({t: NewPartitions(total_count=n) for t, n in totals.items()})
+
+    try:
+        run_sync(lambda: with_admin(settings, grow, timeout_s))
+    except (KafkaError, OSError, TimeoutError) as exc:
+        raise BrokerError(
+            f"cannot add partitions to {sorted(totals)} on {settings.bootstrap_servers}: "
+            f"{type(exc).__name__}: {exc} (the embedded broker cannot add partitions; Apache "
+            "Kafka can)"
+        ) from exc
 
 
 async def probe_metadata(host: str, port: int, timeout_s: float) -> None:

@@ -106,6 +106,15 @@ METRIC_FAMILIES: tuple[tuple[str, str, str, str], ...] = (
      "Table rows written (stats rows and window buckets)."),
     ("streamapp_table_buckets_expired_total", "counter", "",
      "Window buckets deleted because they expired."),
+    ("streamapp_state_degraded", "gauge", "",
+     "1 while device state cannot be kept: the request or retry topic's partition count "
+     "differs from the tables' (`streamapp tables rebuild`, docs/tables.md); `/ready` is 503 "
+     "meanwhile."),
+    ("streamapp_topic_partitions", "gauge", "topic",
+     "Partition count of the request and retry topics as the worker's consumer sees them, and "
+     "of the tables (topic `tables`)."),
+    ("streamapp_table_updates_skipped_total", "counter", "",
+     "Device-state flushes and retry-counter writes skipped while the state was degraded."),
     ("streamapp_gpu_utilization_ratio", "gauge", "gpu, name",
      "GPU utilisation, 0–1, from NVML (Triton: `nv_gpu_utilization`); absent without NVML."),
     ("streamapp_gpu_memory_used_bytes", "gauge", "gpu, name",
@@ -219,6 +228,10 @@ class WorkerGauges:
     table_flushes: int = 0
     table_rows_written: int = 0
     table_buckets_expired: int = 0
+    state_degraded: bool = False
+    table_updates_skipped: int = 0
+    #: ``{topic: partitions}`` of the request and retry topics, plus ``"tables"``.
+    partitions: dict[str, int] = field(default_factory=dict)
     #: Delivery counters: ``gap_reads``, ``gap_records``, ``commits``, ``commit_failures``,
     #: ``produce_failures``, ``bisections`` (see :data:`DELIVERY_COUNTERS`).
     delivery: dict[str, int] = field(default_factory=dict)
@@ -270,7 +283,16 @@ class _GaugeCollector(Collector):
             info.add_metric([model], {k: str(e.get(k, "")) for k in (
                 "backend", "engine", "device", "precision", "max_batch_size")})
         yield info
+        yield _gauge("streamapp_state_degraded", "1 while device state cannot be kept (topic "
+                     "and table partition counts differ).", value=float(g.state_degraded))
+        partitions = GaugeMetricFamily("streamapp_topic_partitions", "Partitions of the source "
+                                       "topics and of the tables.", labels=["topic"])
+        for topic, n in sorted(g.partitions.items()):
+            partitions.add_metric([topic], n)
+        yield partitions
         for name, value, text in (
+            ("streamapp_table_updates_skipped", g.table_updates_skipped,
+             "Table updates skipped while the state was degraded."),
             ("streamapp_table_flushes", g.table_flushes, "Device table flushes."),
             ("streamapp_table_rows_written", g.table_rows_written, "Table rows written."),
             ("streamapp_table_buckets_expired", g.table_buckets_expired,

@@ -28,9 +28,12 @@ class WorkerProcess:
             ``web_port`` is chosen free when absent.
         log_path: Where the worker's stdout/stderr go.
         cwd: Working directory of the worker.
+        args: Extra ``streamapp worker`` flags that are not settings (``--reset-data-dir``).
     """
 
-    def __init__(self, settings: dict[str, Any], log_path: Path, cwd: Path | None = None) -> None:
+    def __init__(self, settings: dict[str, Any], log_path: Path, cwd: Path | None = None,
+                 args: tuple[str, ...] = ()) -> None:
+        self.args = args
         self.settings = dict(settings)
         self.settings.setdefault("web_port", free_port())
         self.log_path = log_path
@@ -51,7 +54,7 @@ class WorkerProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.process = popen_child(
-                [sys.executable, "-m", "streamapp", "worker"],
+                [sys.executable, "-m", "streamapp", "worker", *self.args],
                 stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.cwd,
             )
         return self

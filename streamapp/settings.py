@@ -19,6 +19,7 @@ from engines.registry import AUTO, registered_backends
 from streamapp.exceptions import ConfigError
 
 __all__ = [
+    "DEFAULT_TOPIC_PARTITIONS",
     "Backend",
     "BrokerKind",
     "Codec",
@@ -36,6 +37,9 @@ ImageDecode = Literal["auto", "cpu"]
 BrokerKind = Literal["auto", "kafka", "embedded"]
 SecurityProtocol = Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]
 SaslMechanism = Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"]
+
+#: Partitions of the topics a worker or ``streamapp publish`` creates, unless configured.
+DEFAULT_TOPIC_PARTITIONS = 16
 
 #: Defaults from docs/broker.md: with these a worker joins its group in about 5 s on Tansu
 #: (Tansu holds each JoinGroup for half the session timeout).
@@ -71,7 +75,7 @@ class Settings(BaseSettings):
     app_id: str = Field("streamapp", description="Faust app id = Kafka consumer group id.")
     topic_prefix: str = Field("", description="Prefix for every topic name, e.g. 'prod.'.")
     topic_partitions: int = Field(
-        16, ge=1,
+        DEFAULT_TOPIC_PARTITIONS, ge=1,
         description="Partitions of the request, result, DLQ and retry topics when the worker "
         "creates them (and of the tables' changelogs); the most workers that can share the load "
         "(16: room for `worker --processes 12` on one host, docs/scaling.md).",
@@ -107,6 +111,13 @@ class Settings(BaseSettings):
         description="Longest a fetch waits for data (ms). Faust fixes 1500 ms; the embedded "
         "broker always waits that long when a partition is idle, so it sets the latency floor "
         "at light load.",
+    )
+    metadata_refresh_interval_s: float = Field(
+        30.0, ge=1.0,
+        description="How often the worker's consumer and producer refresh the topics' metadata "
+        "(s; Faust's default: 5 min). Partitions added to the request or retry topic are read, "
+        "and a partition count that no longer matches the tables' is reported (/ready 503, "
+        "streamapp_state_degraded), within this long (docs/tables.md).",
     )
     group_instance_id: str = Field(
         "",

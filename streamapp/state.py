@@ -17,6 +17,7 @@ import faust
 from streamapp.agents.observer import PipelineObserver
 from streamapp.faust_compat import partition_lag
 from streamapp.metrics import Metrics, WorkerGauges
+from streamapp.partitions import GatedStateObserver, PartitionCheck
 from streamapp.record_batches import undecodable_counts
 from streamapp.settings import Settings
 from streamapp.tables import DeviceStateObserver, DeviceStateReader, WindowPlan
@@ -49,6 +50,7 @@ class WorkerState:
     observer: DeviceStateObserver
     reader: DeviceStateReader
     metrics: Metrics
+    partition_check: PartitionCheck
 
     @property
     def worker(self) -> str:
@@ -75,6 +77,7 @@ class WorkerState:
             "partitions_assigned": bool(self.assigned()),
             "engines_warm": bool(self.runtime.ready),
             "tables_recovered": not bool(getattr(self.app, "rebalancing", False)),
+            "table_partitions_match": not self.partition_check.degraded,
         }
 
     async def refresh_gauges(self, gauges: WorkerGauges) -> None:
@@ -92,6 +95,13 @@ class WorkerState:
         gauges.table_flushes = stats.flushes
         gauges.table_rows_written = stats.rows_written
         gauges.table_buckets_expired = stats.buckets_expired
+        check = self.partition_check
+        gauges.state_degraded = check.degraded
+        gauges.table_updates_skipped = check.skipped
+        gauges.partitions = {
+            "tables": check.table_partitions,
+            **{t: n for t, n in check.counts().items() if n is not None},
+        }
         delivery = self.runtime.delivery.stats
         produced = pipeline.stats if pipeline is not None else None
         gauges.delivery = {
@@ -119,10 +129,12 @@ class WorkerState:
     @property
     def observers(self) -> list[PipelineObserver]:
         """The pipeline observers that feed this state: the device-state writer, the metrics."""
-        return [self.observer, self.metrics]
+        return [GatedStateObserver(self.observer, self.partition_check), self.metrics]
 
 
-def build_state(app: faust.App, settings: Settings, runtime: Any) -> WorkerState:
+def build_state(
+    app: faust.App, settings: Settings, runtime: Any, check: PartitionCheck | None = None
+) -> WorkerState:
     """Define the device tables and the metrics on ``app``.
 
     Call it from ``create_app`` before the worker starts; pass :attr:`WorkerState.observers` to
@@ -133,6 +145,8 @@ def build_state(app: faust.App, settings: Settings, runtime: Any) -> WorkerState
         settings: The worker's settings.
         runtime: The :class:`~streamapp.runtime.WorkerRuntime` (``ready``, ``worker``,
             ``describe()``, ``pipeline``).
+        check: Whether the tables' partition count still matches the topics' (default: a
+            new :class:`~streamapp.partitions.PartitionCheck`).
 
     Returns:
         The state the views query.
@@ -147,6 +161,7 @@ def build_state(app: faust.App, settings: Settings, runtime: Any) -> WorkerState
     state = WorkerState(
         app=app, settings=settings, runtime=runtime, tables=tables, plan=plan,
         observer=observer, reader=DeviceStateReader(tables, plan), metrics=metrics,
+        partition_check=check or PartitionCheck(app, settings),
     )
     metrics.add_refresher(state.refresh_gauges)
     return state

@@ -130,6 +130,12 @@ class DeviceStateObserver:
     def on_batch(self, model: str, info: BatchInfo) -> None:
         return None
 
+    def discard_pending(self) -> int:
+        """Drop the outcomes not written yet (the tables cannot take them); returns how many
+        devices had some."""
+        dropped, self._pending = len(self._pending), {}
+        return dropped
+
     async def flush(self) -> None:
         """Write what the outcomes since the last flush changed, one device at a time."""
         if not self._pending:

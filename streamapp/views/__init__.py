@@ -31,8 +31,10 @@ ENDPOINTS: tuple[tuple[str, str, str, str], ...] = (
     ("GET", "/health", "",
      "Liveness: 200 `{\"status\": \"ok\"}` while the event loop answers."),
     ("GET", "/ready", "",
-     "200 when partitions are assigned, every engine is loaded and warmed up and the tables are "
-     "recovered; 503 otherwise. Body: `ready`, `checks`, `assigned`, `engines`."),
+     "200 when partitions are assigned, every engine is loaded and warmed up, the tables are "
+     "recovered and their partition count matches the request and retry topics' "
+     "(`table_partitions_match`; docs/tables.md), and a broker accepts connections; 503 "
+     "otherwise. Body: `ready`, `checks`, `assigned`, `engines`."),
     ("GET", "/engines", "",
      "Per model: backend, engine tag (version + model/plan hash), device, precision, "
      "max batch size."),

@@ -54,8 +54,8 @@ def add_health_views(app: faust.App, state: WorkerState) -> None:
 
     @app.page("/ready")
     class Ready(ApiView):
-        """200 when partitions are assigned, engines warmed up, tables recovered and a broker
-        accepts connections; else 503."""
+        """200 when partitions are assigned, engines warmed up, tables recovered, their
+        partition count matches the topics' and a broker accepts connections; else 503."""
 
         async def get(self, request: Request) -> Response:
             check_params(request.query, ())

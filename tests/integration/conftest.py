@@ -6,7 +6,8 @@ the autouse fixture below tells the workers (and ``load_settings``) which kind t
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,16 @@ from streamapp.kafka import create_topics
 from streamapp.process import WorkerProcess
 from streamapp.settings import Settings, load_settings
 from tests.conftest import Broker
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Poll ``condition`` every 0.2 s until it holds; fail naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 @pytest.fixture(autouse=True)

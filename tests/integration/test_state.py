@@ -35,6 +35,7 @@ from streamapp.client import (
 from streamapp.kafka import create_topics
 from streamapp.process import WorkerProcess
 from streamapp.settings import Settings
+from tests.integration.conftest import wait_for as _wait
 
 pytestmark = [pytest.mark.kafka]
 
@@ -79,15 +80,6 @@ def _metrics(worker: WorkerProcess) -> dict[str, list[Any]]:
     with urllib.request.urlopen(worker.web_url + "/metrics", timeout=15) as response:
         text = response.read().decode()
     return {family.name: family.samples for family in text_string_to_metric_families(text)}
-
-
-def _wait(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 def _bad_value(device: str, n: int) -> bytes:
