@@ -106,6 +106,15 @@ METRIC_FAMILIES: tuple[tuple[str, str, str, str], ...] = (
      "Table rows written (stats rows and window buckets)."),
     ("streamapp_table_buckets_expired_total", "counter", "",
      "Window buckets deleted because they expired."),
+    ("streamapp_table_write_errors_total", "counter", "table",
+     "Table writes RocksDB refused (a full disk); the rows are kept in memory and written "
+     "when the database takes writes again (docs/tables.md)."),
+    ("streamapp_table_reopens_total", "counter", "table",
+     "Partition databases reopened after refusing writes, whose kept rows were then written."),
+    ("streamapp_table_rows_in_memory", "gauge", "table",
+     "Rows kept in memory now because their database refuses writes."),
+    ("streamapp_state_degraded", "gauge", "",
+     "1 while device state is degraded (rows kept in memory; `/ready` says why), else 0."),
     ("streamapp_gpu_utilization_ratio", "gauge", "gpu, name",
      "GPU utilisation, 0–1, from NVML (Triton: `nv_gpu_utilization`); absent without NVML."),
     ("streamapp_gpu_memory_used_bytes", "gauge", "gpu, name",
@@ -218,6 +227,9 @@ class WorkerGauges:
     table_flushes: int = 0
     table_rows_written: int = 0
     table_buckets_expired: int = 0
+    #: ``{table: (write errors, reopens, rows in memory)}`` (:class:`TableWriteStatus`).
+    table_writes: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    state_degraded: bool = False
     #: Delivery counters: ``gap_reads``, ``gap_records``, ``commits``, ``commit_failures``,
     #: ``produce_failures``, ``bisections`` (see :data:`DELIVERY_COUNTERS`).
     delivery: dict[str, int] = field(default_factory=dict)
@@ -276,6 +288,19 @@ class _GaugeCollector(Collector):
              "Window buckets expired."),
         ):
             yield CounterMetricFamily(name, text, value=value)
+        errors = CounterMetricFamily("streamapp_table_write_errors", "Table writes refused.",
+                                     labels=["table"])
+        reopens = CounterMetricFamily("streamapp_table_reopens", "Table databases reopened.",
+                                      labels=["table"])
+        kept = GaugeMetricFamily("streamapp_table_rows_in_memory", "Rows kept in memory.",
+                                 labels=["table"])
+        for table, (n_errors, n_reopens, n_kept) in sorted(g.table_writes.items()):
+            errors.add_metric([table], n_errors)
+            reopens.add_metric([table], n_reopens)
+            kept.add_metric([table], n_kept)
+        yield from (errors, reopens, kept)
+        yield _gauge("streamapp_state_degraded", "1 while device state is degraded.",
+                     value=float(g.state_degraded))
         for key, name, text in DELIVERY_COUNTERS:
             yield CounterMetricFamily(name, text, value=g.delivery.get(key, 0))
         batches = CounterMetricFamily("streamapp_undecodable_batches", "Record batches the "

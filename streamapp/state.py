@@ -77,6 +77,19 @@ class WorkerState:
             "tables_recovered": not bool(getattr(self.app, "rebalancing", False)),
         }
 
+    def degraded(self) -> dict[str, str]:
+        """Why the device state is degraded now, by component (empty: it is not). A degraded
+        state is still served and kept (``/ready`` stays 200 for it); see docs/tables.md."""
+        out: dict[str, str] = {}
+        for name, status in self.tables.write_status().items():
+            if status.degraded:
+                out[name] = (
+                    f"{status.rows_in_memory} row(s) of partition(s) "
+                    f"{', '.join(map(str, status.partitions))} kept in memory: the database "
+                    f"refuses writes ({status.error})"
+                )
+        return out
+
     async def refresh_gauges(self, gauges: WorkerGauges) -> None:
         """Point-in-time values for ``/metrics``."""
         gauges.ready = all(self.readiness().values())
@@ -92,6 +105,11 @@ class WorkerState:
         gauges.table_flushes = stats.flushes
         gauges.table_rows_written = stats.rows_written
         gauges.table_buckets_expired = stats.buckets_expired
+        gauges.table_writes = {
+            name: (status.write_errors, status.reopens, status.rows_in_memory)
+            for name, status in self.tables.write_status().items()
+        }
+        gauges.state_degraded = bool(self.degraded())
         delivery = self.runtime.delivery.stats
         produced = pipeline.stats if pipeline is not None else None
         gauges.delivery = {

@@ -29,7 +29,9 @@ ENDPOINTS: tuple[tuple[str, str, str, str], ...] = (
      "Liveness: 200 `{\"status\": \"ok\"}` while the event loop answers."),
     ("GET", "/ready", "",
      "200 when partitions are assigned, every engine is loaded and warmed up and the tables are "
-     "recovered; 503 otherwise. Body: `ready`, `checks`, `assigned`, `engines`."),
+     "recovered; 503 otherwise. Body: `ready`, `checks`, `assigned`, `engines`, `state` "
+     "(`ok`, or `degraded` while device state is kept in memory only, e.g. a full disk: still "
+     "200) and `degraded` (why, by table)."),
     ("GET", "/engines", "",
      "Per model: backend, engine tag (version + model/plan hash), device, precision, "
      "max batch size."),
