@@ -19,12 +19,14 @@ from yarl import URL
 
 from streamapp.agents.pipeline import SourceMessage
 from streamapp.delivery import Delivery
+from streamapp.exceptions import BrokerError
 from streamapp.faust_compat import (
     FaustConsumer,
     FaustSink,
     changelog_topics,
     event_context,
     guard_undecodable_batches,
+    producer_client,
     set_fetch_max_wait,
     set_producer_buffer_max,
     set_read_committed,
@@ -41,6 +43,7 @@ from streamapp.retry import RetryRecord
 from streamapp.runtime import WorkerRuntime
 from streamapp.settings import Settings, load_settings
 from streamapp.state import advertised_host, build_state
+from streamapp.topology import TopicWatch
 from streamapp.views import install_views
 
 __all__ = ["TableRetryStore", "create_app"]
@@ -184,7 +187,13 @@ def create_app(settings: Settings | None = None) -> faust.App:
     retry_store = TableRetryStore(retry_counts, check)
     faust_side = FaustConsumer(app, conf)
     delivery = Delivery(faust_side, commit_interval_s=conf.commit_interval_ms / 1000.0)
-    runtime = WorkerRuntime(conf, delivery, faust_side)
+    # Acknowledgements count only on partitions that exist (a broker that came back empty
+    # acknowledges records to vanished topics: streamapp.topology).
+    watch = TopicWatch(
+        conf.topics, lambda: producer_client(app),
+        lambda problem: faust_side.crash(BrokerError(problem)),
+    )
+    runtime = WorkerRuntime(conf, delivery, faust_side, ack_guard=watch)
     sink = FaustSink(outputs, app)
     state = build_state(app, conf, runtime, check)  # device tables and metrics
     install_views(app, state)  # /health /ready /engines /metrics /devices ...

@@ -33,6 +33,7 @@ __all__ = [
     "make_worker",
     "partition_lag",
     "producer_buffer_stalled",
+    "producer_client",
     "set_fetch_max_wait",
     "set_producer_buffer_max",
     "set_read_committed",
@@ -379,6 +380,11 @@ def changelog_topics(app: Any) -> list[str]:
         with contextlib.suppress(Exception):
             names.append(table.changelog_topic.get_topic_name())
     return names
+
+
+def producer_client(app: Any) -> Any:
+    """The aiokafka client of the producer Faust runs (Faust exposes only its own wrapper)."""
+    return app.producer._ensure_producer().client
 
 
 def track_metadata(client: Any, topics: Iterable[str]) -> None:

@@ -107,14 +107,23 @@ METRIC_FAMILIES: tuple[tuple[str, str, str, str], ...] = (
     ("streamapp_table_buckets_expired_total", "counter", "",
      "Window buckets deleted because they expired."),
     ("streamapp_state_degraded", "gauge", "",
-     "1 while device state cannot be kept: the request or retry topic's partition count "
-     "differs from the tables' (`streamapp tables rebuild`, docs/tables.md); `/ready` is 503 "
-     "meanwhile."),
+     "1 while device state is degraded: the request or retry topic's partition count "
+     "differs from the tables' (`streamapp tables rebuild`; `/ready` is 503 meanwhile), or "
+     "rows are kept in memory because RocksDB refuses writes (a full disk; `/ready` stays "
+     "200 and says why). docs/tables.md."),
     ("streamapp_topic_partitions", "gauge", "topic",
      "Partition count of the request and retry topics as the worker's consumer sees them, and "
      "of the tables (topic `tables`)."),
     ("streamapp_table_updates_skipped_total", "counter", "",
-     "Device-state flushes and retry-counter writes skipped while the state was degraded."),
+     "Device-state flushes and retry-counter writes skipped while the partition counts "
+     "differed."),
+    ("streamapp_table_write_errors_total", "counter", "table",
+     "Table writes RocksDB refused (a full disk); the rows are kept in memory and written "
+     "when the database takes writes again (docs/tables.md)."),
+    ("streamapp_table_reopens_total", "counter", "table",
+     "Partition databases reopened after refusing writes, whose kept rows were then written."),
+    ("streamapp_table_rows_in_memory", "gauge", "table",
+     "Rows kept in memory now because their database refuses writes."),
     ("streamapp_gpu_utilization_ratio", "gauge", "gpu, name",
      "GPU utilisation, 0–1, from NVML (Triton: `nv_gpu_utilization`); absent without NVML."),
     ("streamapp_gpu_memory_used_bytes", "gauge", "gpu, name",
@@ -232,6 +241,8 @@ class WorkerGauges:
     table_updates_skipped: int = 0
     #: ``{topic: partitions}`` of the request and retry topics, plus ``"tables"``.
     partitions: dict[str, int] = field(default_factory=dict)
+    #: ``{table: (write errors, reopens, rows in memory)}`` (:class:`TableWriteStatus`).
+    table_writes: dict[str, tuple[int, int, int]] = field(default_factory=dict)
     #: Delivery counters: ``gap_reads``, ``gap_records``, ``commits``, ``commit_failures``,
     #: ``produce_failures``, ``bisections`` (see :data:`DELIVERY_COUNTERS`).
     delivery: dict[str, int] = field(default_factory=dict)
@@ -283,8 +294,8 @@ class _GaugeCollector(Collector):
             info.add_metric([model], {k: str(e.get(k, "")) for k in (
                 "backend", "engine", "device", "precision", "max_batch_size")})
         yield info
-        yield _gauge("streamapp_state_degraded", "1 while device state cannot be kept (topic "
-                     "and table partition counts differ).", value=float(g.state_degraded))
+        yield _gauge("streamapp_state_degraded", "1 while device state is degraded (partition "
+                     "counts differ, or rows kept in memory).", value=float(g.state_degraded))
         partitions = GaugeMetricFamily("streamapp_topic_partitions", "Partitions of the source "
                                        "topics and of the tables.", labels=["topic"])
         for topic, n in sorted(g.partitions.items()):
@@ -299,6 +310,17 @@ class _GaugeCollector(Collector):
              "Window buckets expired."),
         ):
             yield CounterMetricFamily(name, text, value=value)
+        errors = CounterMetricFamily("streamapp_table_write_errors", "Table writes refused.",
+                                     labels=["table"])
+        reopens = CounterMetricFamily("streamapp_table_reopens", "Table databases reopened.",
+                                      labels=["table"])
+        kept = GaugeMetricFamily("streamapp_table_rows_in_memory", "Rows kept in memory.",
+                                 labels=["table"])
+        for table, (n_errors, n_reopens, n_kept) in sorted(g.table_writes.items()):
+            errors.add_metric([table], n_errors)
+            reopens.add_metric([table], n_reopens)
+            kept.add_metric([table], n_kept)
+        yield from (errors, reopens, kept)
         for key, name, text in DELIVERY_COUNTERS:
             yield CounterMetricFamily(name, text, value=g.delivery.get(key, 0))
         batches = CounterMetricFamily("streamapp_undecodable_batches", "Record batches the "

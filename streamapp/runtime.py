@@ -17,7 +17,13 @@ from typing import Any, Protocol
 import numpy as np
 
 from streamapp.agents.observer import PipelineObserver
-from streamapp.agents.pipeline import InferencePipeline, LoadedModel, Sink, SourceMessage
+from streamapp.agents.pipeline import (
+    AckGuard,
+    InferencePipeline,
+    LoadedModel,
+    Sink,
+    SourceMessage,
+)
 from streamapp.delivery import Delivery
 from streamapp.exceptions import InvalidRequestError
 from streamapp.models.loading import load_models
@@ -54,15 +60,19 @@ class WorkerRuntime:
         settings: The worker's settings.
         delivery: Admission, gap filling and commits of the source partitions.
         host: Flushes the producer and crashes the app; None in tests without one.
+        ack_guard: Confirms the broker's acknowledgements (:mod:`streamapp.topology`); None:
+            every acknowledgement counts.
 
     Attributes:
         ready: True once every model is loaded and a warm-up batch ran on each.
     """
 
     def __init__(
-        self, settings: Settings, delivery: Delivery, host: WorkerHost | None = None
+        self, settings: Settings, delivery: Delivery, host: WorkerHost | None = None,
+        ack_guard: AckGuard | None = None,
     ) -> None:
         self.settings = settings
+        self.ack_guard = ack_guard
         self.delivery = delivery
         self.worker = settings.worker_name or f"{socket.gethostname()}:{os.getpid()}"
         self.models: dict[str, LoadedModel] = {}
@@ -97,6 +107,7 @@ class WorkerRuntime:
                     self.settings, self.models, sink, worker=self.worker,
                     retry_store=retry_store, observers=observers,
                     highwater=getattr(self._host, "highwater", None),
+                    ack_guard=self.ack_guard,
                 )
                 await pipeline.start()
                 self._retry_store = retry_store

@@ -80,6 +80,27 @@ class WorkerState:
             "table_partitions_match": not self.partition_check.degraded,
         }
 
+    def degraded(self) -> dict[str, str]:
+        """Why the device state is degraded now, by component (empty: it is not): tables whose
+        rows are kept in memory (a full disk: still served and kept, ``/ready`` stays 200 for
+        it), and ``table_partitions`` while the topics' partition counts differ from the
+        tables' (``/ready`` is 503 for that one: ``table_partitions_match``); docs/tables.md."""
+        out: dict[str, str] = {}
+        mismatched = self.partition_check.mismatch()
+        if mismatched:
+            out["table_partitions"] = (
+                "; ".join(f"{t} has {n} partitions" for t, n in sorted(mismatched.items()))
+                + f", the tables {self.partition_check.table_partitions}: table updates are "
+                "skipped until `streamapp tables rebuild` (docs/tables.md)")
+        for name, status in self.tables.write_status().items():
+            if status.degraded:
+                out[name] = (
+                    f"{status.rows_in_memory} row(s) of partition(s) "
+                    f"{', '.join(map(str, status.partitions))} kept in memory: the database "
+                    f"refuses writes ({status.error})"
+                )
+        return out
+
     async def refresh_gauges(self, gauges: WorkerGauges) -> None:
         """Point-in-time values for ``/metrics``."""
         gauges.ready = all(self.readiness().values())
@@ -96,12 +117,16 @@ class WorkerState:
         gauges.table_rows_written = stats.rows_written
         gauges.table_buckets_expired = stats.buckets_expired
         check = self.partition_check
-        gauges.state_degraded = check.degraded
         gauges.table_updates_skipped = check.skipped
         gauges.partitions = {
             "tables": check.table_partitions,
             **{t: n for t, n in check.counts().items() if n is not None},
         }
+        gauges.table_writes = {
+            name: (status.write_errors, status.reopens, status.rows_in_memory)
+            for name, status in self.tables.write_status().items()
+        }
+        gauges.state_degraded = check.degraded or bool(self.degraded())
         delivery = self.runtime.delivery.stats
         produced = pipeline.stats if pipeline is not None else None
         gauges.delivery = {

@@ -183,6 +183,18 @@ class BatchSink(Sink, Protocol):
 _Outgoing = tuple["_Work", str, "bytes | None", bytes, Outcome, "BatchInfo | None"]
 
 
+class AckGuard(Protocol):
+    """Confirms that what the broker acknowledged is where consumers will read it."""
+
+    def acknowledged(self, topic: str, partition: int, offset: int | None) -> bool:
+        """Whether an acknowledgement of ``topic[partition]`` at ``offset`` may count."""
+        ...
+
+    async def confirm(self) -> bool:
+        """Whether every acknowledgement so far is confirmed (before held acks are applied)."""
+        ...
+
+
 @dataclass
 class LoadedModel:
     """A model ready to serve: its contract and the executor running its engine."""
@@ -247,6 +259,9 @@ class InferencePipeline:
         highwater: ``(topic, partition) -> high watermark`` of the last fetch (None when not
             fetched): with it, a batch is held open for records already waiting in the broker
             (``max_batch_hold_ms``, :meth:`backlog`). None: batches close on the delay.
+        ack_guard: Confirms acknowledgements (:class:`AckGuard`, e.g.
+            :class:`streamapp.topology.TopicWatch`): one it refuses, or held acknowledgements
+            it does not confirm at a state flush, leave their records uncommitted.
     """
 
     def __init__(
@@ -259,8 +274,10 @@ class InferencePipeline:
         retry_store: RetryStore | None = None,
         observers: Sequence[PipelineObserver] = (),
         highwater: Callable[[str, int], int | None] | None = None,
+        ack_guard: AckGuard | None = None,
     ) -> None:
         self.settings = settings
+        self.ack_guard = ack_guard
         self.models = dict(models)
         self.sink = sink
         self.worker = worker
@@ -341,6 +358,9 @@ class InferencePipeline:
             except asyncio.CancelledError:
                 self._held_acks[:0] = acks  # not written: the next flush takes them again
                 raise
+            if acks and self.ack_guard is not None and not await self.ack_guard.confirm():
+                self._held_acks[:0] = acks  # not confirmed: never committed
+                return
             for ack in acks:
                 ack()
             self.stats.acked += len(acks)
@@ -740,6 +760,8 @@ class InferencePipeline:
         """The broker answered for a record batch of outcomes."""
         error = None if fut.cancelled() else fut.exception()
         if error is None:
+            if not self._confirmed(fut.result()):
+                return  # the records stay uncommitted
             for entry in entries:
                 self._ack(entry[0].source)
             return
@@ -774,6 +796,15 @@ class InferencePipeline:
             self._finish_unwritable(work, work.source.retry)
             return
         self._after_send(sent[0], sent[1], work, sent[2])
+
+    def _confirmed(self, metadata: Any) -> bool:
+        """Whether the broker's answer (a ``RecordMetadata``) may count as acknowledged."""
+        if self.ack_guard is None:
+            return True
+        return self.ack_guard.acknowledged(
+            str(getattr(metadata, "topic", "")), int(getattr(metadata, "partition", -1)),
+            getattr(metadata, "offset", None),
+        )
 
     def _ack(self, source: SourceMessage) -> None:
         """The broker has the outcome of ``source``: finish it now, or at the next state flush
@@ -873,7 +904,8 @@ class InferencePipeline:
                     "cancelled" if fut.cancelled() else error,
                 )
                 return
-            self._ack(source)
+            if self._confirmed(fut.result()):
+                self._ack(source)
 
         add_done_callback = getattr(ack_future, "add_done_callback", None)
         if add_done_callback is None:

@@ -41,6 +41,7 @@ from aiokafka.partitioner import DefaultPartitioner
 
 from streamapp.faust_compat import StandInEvent, event_context
 from streamapp.settings import Settings
+from streamapp.tables.store_guard import StoreWriteGuard, TableWriteStatus
 
 __all__ = ["SEAL_KEY", "ChangelogSealer", "FaustDeviceTables", "define_tables"]
 
@@ -169,6 +170,10 @@ class FaustDeviceTables:
         request_topic: Name of the request topic (the tables' source topic).
         partitions: Its partition count, for stand-in events when the app cannot tell.
         seal_changelogs: Seal the changelogs (:class:`ChangelogSealer`; embedded broker only).
+
+    Rows RocksDB refuses (a full disk) are kept in memory, served and written again when the
+    database takes writes (:class:`~streamapp.tables.store_guard.StoreWriteGuard`, one per
+    table, installed at the first write); :meth:`write_status` says how that stands.
     """
 
     def __init__(
@@ -181,6 +186,7 @@ class FaustDeviceTables:
         self.request_topic = request_topic
         self.partitions = partitions
         self.sealer = ChangelogSealer(app, [stats, windows], enabled=seal_changelogs)
+        self.guards: list[StoreWriteGuard] = []
 
         @app.on_partitions_revoked.connect  # type: ignore[arg-type]
         async def _seal_on_revoke(app_: Any, revoked: Any, **kwargs: Any) -> None:
@@ -210,8 +216,15 @@ class FaustDeviceTables:
                 self.request_topic, self.partition_of(device_key), device_key
             )
         self.sealer.touched(event.message.partition)
+        if not self.guards:
+            self.guards = [_guard(table) for table in (self.stats, self.windows)]
         with event_context(event):
             yield
+
+    def write_status(self) -> dict[str, TableWriteStatus]:
+        """Refused writes, reopens and rows kept in memory, by table name (empty before the
+        first write)."""
+        return {guard.name: guard.status for guard in self.guards}
 
     async def flushed(self) -> None:
         await self.sealer.flushed()
@@ -238,6 +251,14 @@ class FaustDeviceTables:
         for key, row in self.stats.items():
             if key != SEAL_KEY and row is not None:
                 yield key, row
+
+
+def _guard(table: Any) -> StoreWriteGuard:
+    from streamapp.tables.faults import install_disk_faults
+
+    store = table.data
+    install_disk_faults(store)  # test-only; a no-op without TABLES_FAULTS
+    return StoreWriteGuard(store, table.name)
 
 
 def define_tables(app: faust.App, settings: Settings) -> FaustDeviceTables:

@@ -34,7 +34,9 @@ ENDPOINTS: tuple[tuple[str, str, str, str], ...] = (
      "200 when partitions are assigned, every engine is loaded and warmed up, the tables are "
      "recovered and their partition count matches the request and retry topics' "
      "(`table_partitions_match`; docs/tables.md), and a broker accepts connections; 503 "
-     "otherwise. Body: `ready`, `checks`, `assigned`, `engines`."),
+     "otherwise. Body: `ready`, `checks`, `assigned`, `engines`, `state` (`ok`, or `degraded` "
+     "while device state is degraded: kept in memory only, e.g. a full disk, which alone keeps "
+     "200, or partition counts that differ) and `degraded` (why, by component)."),
     ("GET", "/engines", "",
      "Per model: backend, engine tag (version + model/plan hash), device, precision, "
      "max batch size."),

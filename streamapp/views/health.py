@@ -55,7 +55,9 @@ def add_health_views(app: faust.App, state: WorkerState) -> None:
     @app.page("/ready")
     class Ready(ApiView):
         """200 when partitions are assigned, engines warmed up, tables recovered, their
-        partition count matches the topics' and a broker accepts connections; else 503."""
+        partition count matches the topics' and a broker accepts connections; else 503.
+        ``state`` is ``degraded`` (with the reasons in ``degraded``) while device state is
+        degraded; rows kept in memory only (a full disk) alone keep 200."""
 
         async def get(self, request: Request) -> Response:
             check_params(request.query, ())
@@ -70,6 +72,9 @@ def add_health_views(app: faust.App, state: WorkerState) -> None:
                 **state.runtime.describe(),
             }
             body["ready"] = ready  # describe() has the runtime's own flag
+            degraded = state.degraded()  # served and kept, but not as it should be
+            body["state"] = "degraded" if degraded else "ok"
+            body["degraded"] = degraded
             return self.json(body, status=200 if ready else 503)
 
     @app.page("/engines")
