@@ -56,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
                        help="skip steps that no longer fit in this many seconds")
     scale.add_argument("--broker", choices=("embedded", "kafka"), default="embedded",
                        help="a fresh embedded broker or a fresh Apache Kafka per measurement")
+    scale.add_argument("--gpu-executor", choices=("inprocess", "shared"), default="inprocess",
+                       help="shared: one executor server per GPU merges the workers' batches "
+                       "(implies --launcher processes; docs/scaleout.md)")
     scale.add_argument("--dry-run", action="store_true",
                        help="print the steps, their estimates and what the budget skips")
     backlog = sub.add_parser("backlog", help="worker RSS with a backlog waiting in the topic")
@@ -194,7 +197,7 @@ def _scaleout(args: argparse.Namespace, log: Callable[[str], None]) -> int:
     if args.dry_run:
         run_scaleout(SCALE_PROFILES[args.profile], results, Path("."), log=log,
                      launcher=args.launcher, budget_s=args.budget_s, ns=ns, only=only,
-                     dry_run=True, backend=args.backend)
+                     dry_run=True, backend=args.backend, gpu_executor=args.gpu_executor)
         return 0
     out.mkdir(parents=True, exist_ok=True)
     results["env"] = environment()
@@ -206,7 +209,7 @@ def _scaleout(args: argparse.Namespace, log: Callable[[str], None]) -> int:
     started = time.monotonic()
     run_scaleout(SCALE_PROFILES[args.profile], results, args.logs or out / "logs", log=log,
                  launcher=args.launcher, budget_s=args.budget_s, ns=ns, only=only, save=save,
-                 backend=args.backend, broker=args.broker)
+                 backend=args.backend, broker=args.broker, gpu_executor=args.gpu_executor)
     results["elapsed_s"] = round(time.monotonic() - started, 1)
     save()
     report = format_report(results)

@@ -469,6 +469,7 @@ def format_scaleout(section: Mapping[str, Any], env: Mapping[str, Any] | None = 
     lines: list[str] = [""]
     plans = {p["workload"]: p for p in section.get("plans", [])}
     lines.append(f"scale-out ({section.get('profile')}, launcher {section.get('launcher')}, "
+                 f"gpu executor {section.get('gpu_executor', 'inprocess')}, "
                  f"{section.get('elapsed_s', 0):.0f} s): N processes of one group drain a "
                  "backlog of K requests produced before they start; results/s = first → last "
                  "result; steady = middle 80 % of the results; efficiency = results/s ÷ (N × "
@@ -508,6 +509,10 @@ def format_scaleout(section: Mapping[str, Any], env: Mapping[str, Any] | None = 
                 flag += f"  {len(r['dead'])} DIED"
             if r.get("too_short"):
                 flag += f"  drain {r.get('drain_s')} s too short to time: raise K"
+            for model, b in (r.get("server_batches") or {}).items():
+                if model != "_errors" and p:
+                    flag += (f"  engine batch {b['mean_batch']:.1f} of {p['batch']} "
+                             f"({b['mean_batch'] / p['batch']:.2f}; {model})")
             lines.append(
                 f"  {r['n']:>3}{r['backlog']:>8,}{_f(r.get('results_per_s')):>11}"
                 f"{_f(r.get('steady_per_s')):>10}{_f(r.get('efficiency'), '.2f'):>8}  "

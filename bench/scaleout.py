@@ -47,6 +47,7 @@ from streamapp.broker import EmbeddedBroker
 from streamapp.children import free_port, popen_child
 from streamapp.kafka import create_topics
 from streamapp.process import WorkerProcess
+from streamapp.supervisor import read_state
 
 __all__ = ["LAUNCHERS", "SCALE_PROFILES", "Fleet", "ScalePlan", "ScaleProfile", "launch_clients",
            "launch_workers", "limiting", "run_scaleout", "summarize_series"]
@@ -204,6 +205,8 @@ class Fleet:
     urls: list[str] = field(default_factory=list)
     ready_s: list[float] = field(default_factory=list)
     data_dirs: list[Path] = field(default_factory=list)
+    #: Sockets of the executor servers (``gpu_executor=shared``), in server order.
+    servers: list[str] = field(default_factory=list)
     #: Set once every process to sample exists (``pids`` is complete).
     launched: threading.Event = field(default_factory=threading.Event)
 
@@ -307,11 +310,15 @@ def launch_workers(fleet: Fleet, launcher: str, settings: Mapping[str, Any], n: 
     fleet.pids["supervisor"] = parent.process.pid
     fleet.urls = [f"http://127.0.0.1:{base + i}" for i in range(n)]
     fleet.ready_s = _wait_all_ready(fleet.urls, fleet.children, ready_timeout_s, started)
-    # The supervisor's children, oldest first (not tried: the supervisor is not merged yet).
-    kids = sorted(psutil.Process(parent.process.pid).children(),
-                  key=lambda p: p.create_time())
-    for i, kid in enumerate(kids):
-        fleet.pids[f"w{i}" if i < n else f"child{i}"] = kid.pid
+    # The supervisor's workers and executor servers, as its supervisor.json lists them.
+    state = read_state(base_dir) or {}
+    for i, child in enumerate(state.get("children", [])):
+        if child.get("pid"):
+            fleet.pids[f"w{i}"] = int(child["pid"])
+    for i, server in enumerate(state.get("servers", [])):
+        fleet.servers.append(str(server["socket"]))
+        if server.get("pid"):
+            fleet.pids[f"gpu-server{i}"] = int(server["pid"])
     fleet.launched.set()
 
 
@@ -502,11 +509,12 @@ class ScaleOut:
 
     def __init__(self, profile: ScaleProfile, results: dict[str, Any], logs: Path, log: Log,
                  launcher: str = "own", save: Callable[[], None] = lambda: None,
-                 broker: BrokerKind = "embedded") -> None:
+                 broker: BrokerKind = "embedded", gpu_executor: str = "inprocess") -> None:
         self.profile, self.logs, self.log, self.launcher = profile, logs, log, launcher
-        self.save, self.broker = save, broker
+        self.save, self.broker, self.gpu_executor = save, broker, gpu_executor
         self.section: dict[str, Any] = results.setdefault("scaleout", {})
         self.section.update({"profile": profile.name, "launcher": launcher, "broker": broker,
+                             "gpu_executor": gpu_executor,
                              "plans": [asdict(p) for p in profile.plans]})
         self.section.setdefault("series", {})
         self.section.setdefault("engine", {})
@@ -544,7 +552,7 @@ class ScaleOut:
             "backend": plan.backend, "models": wl.model, "max_batch_size": plan.batch,
             "max_batch_delay_ms": plan.delay_ms, "max_inflight_batches": plan.inflight,
             "cuda_streams": self.profile.cuda_streams, "log_level": "warning",
-            "topic_partitions": plan.partitions,
+            "topic_partitions": plan.partitions, "gpu_executor": self.gpu_executor,
         }
         if wl.models_dir is not None:
             settings["models_dir"] = wl.models_dir
@@ -583,6 +591,8 @@ class ScaleOut:
                 try:
                     res["worker_results"] = [results_count(u) for u in fleet.urls]
                     res["ready_s"] = fleet.ready_s
+                    if fleet.servers:
+                        res["server_batches"] = server_batches(fleet.servers)
                     if plan.closed_s > 0 and res["complete"]:
                         res["closed_loop"] = self._closed(plan, wl, n, broker, topics, sampler)
                 finally:
@@ -633,6 +643,30 @@ class ScaleOut:
                               self.log)
 
 
+def server_batches(sockets: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """What the executor servers' engines saw, per model, summed over the servers: batches,
+    rows, sub_batches (client requests), merged, mean_batch (rows ÷ batches). The counters
+    run from the server's start (its warm-up batch of 1 included)."""
+    from engines.server import query_stats
+
+    out: dict[str, dict[str, Any]] = {}
+    for path in sockets:
+        try:
+            stats = query_stats(path)
+        except Exception as exc:  # the report says so instead of failing the step
+            out.setdefault("_errors", {})[path] = str(exc)
+            continue
+        for model, s in stats.items():
+            agg = out.setdefault(model, {"batches": 0, "rows": 0, "sub_batches": 0,
+                                         "merged": 0})
+            for k in ("batches", "rows", "sub_batches", "merged"):
+                agg[k] += int(s.get(k, 0))
+    for model, agg in out.items():
+        if model != "_errors":
+            agg["mean_batch"] = round(agg["rows"] / agg["batches"], 2) if agg["batches"] else 0
+    return out
+
+
 def _run(coro: Any) -> Any:
     return asyncio.run(coro)
 
@@ -664,6 +698,10 @@ def _fmt_point(p: Mapping[str, Any]) -> str:
         parts.append(f"GPU {util['gpu_util_pct']:.0f} %")
     if p.get("closed_loop"):
         parts.append(f"closed loop {p['closed_loop']['results_per_s']:,.0f}/s")
+    for model, b in (p.get("server_batches") or {}).items():
+        if model != "_errors":
+            parts.append(f"engine batch {b['mean_batch']:.1f} ({model}, {b['batches']} batches "
+                         f"from {b['sub_batches']} worker batches)")
     if p.get("dead"):
         parts.append(f"{len(p['dead'])} process(es) DIED")
     return ", ".join(parts)
@@ -775,7 +813,8 @@ def run_scaleout(profile: ScaleProfile, results: dict[str, Any], logs: Path, *, 
                  launcher: str = "own", budget_s: float | None = None,
                  ns: tuple[int, ...] | None = None, only: tuple[str, ...] = (),
                  dry_run: bool = False, save: Callable[[], None] = lambda: None,
-                 backend: str | None = None, broker: BrokerKind = "embedded") -> dict[str, Any]:
+                 backend: str | None = None, broker: BrokerKind = "embedded",
+                 gpu_executor: str = "inprocess") -> dict[str, Any]:
     """Run (or, ``dry_run``, print) the scale-out section; returns ``results["scaleout"]``.
 
     Args:
@@ -788,15 +827,25 @@ def run_scaleout(profile: ScaleProfile, results: dict[str, Any], logs: Path, *, 
             logic on CPU).
         broker: ``embedded`` (Tansu, fresh per measurement) or ``kafka`` (Apache Kafka, fresh
             per measurement: what users run; needs Java).
+        gpu_executor: The workers' ``gpu_executor``: ``inprocess``, or ``shared`` (one
+            executor server per GPU, started by ``streamapp worker --processes N``: implies
+            ``launcher="processes"``); each worker point then has ``server_batches``, the
+            mean batch the server's engine saw.
     """
+    if gpu_executor == "shared" and launcher != "processes":
+        log("  gpu_executor=shared: the workers are started by `streamapp worker --processes N`"
+            " (launcher processes), which starts the executor servers")
+        launcher = "processes"
     plans = tuple(replace(p, **({"backend": backend} if backend else {}))
                   for p in profile.plans if not only or p.workload in only)
     profile = replace(profile, plans=plans)
-    scale = None if dry_run else ScaleOut(profile, results, logs, log, launcher, save, broker)
+    scale = None if dry_run else ScaleOut(profile, results, logs, log, launcher, save, broker,
+                                          gpu_executor)
     section = results.setdefault("scaleout", {}) if scale is None else scale.section
     has_mps = shutil.which("nvidia-cuda-mps-control") is not None
     steps = plan_steps(profile, scale, ns, mps=has_mps or dry_run)
-    log(f"\n== scale-out ({profile.name}, launcher {launcher}): {len(steps)} steps, estimated "
+    log(f"\n== scale-out ({profile.name}, launcher {launcher}, gpu executor {gpu_executor}): "
+        f"{len(steps)} steps, estimated "
         f"{sum(s.estimate_s for s in steps):.0f} s"
         + (f", budget {budget_s:.0f} s" if budget_s is not None else ""))
     if not has_mps and any(p.mps_ns for p in plans):

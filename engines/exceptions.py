@@ -15,6 +15,7 @@ __all__ = [
     "EngineLoadError",
     "EngineRuntimeError",
     "EngineTimeoutError",
+    "ExecutorUnavailableError",
     "InputSpecError",
     "OutOfMemoryError",
     "PlanMismatchError",
@@ -84,6 +85,14 @@ class EngineTimeoutError(EngineRuntimeError):
     """A batch did not finish in time (a hung kernel, an overloaded device). Retriable."""
 
     reason = "timeout"
+
+
+class ExecutorUnavailableError(EngineRuntimeError):
+    """The shared GPU executor process (:mod:`engines.server`) cannot be reached or died while
+    a batch was in flight. Retriable: the supervisor restarts the server and the client
+    reconnects, so the same request succeeds later."""
+
+    reason = "executor_unavailable"
 
 
 class EngineClosedError(EngineError):

@@ -138,6 +138,10 @@ def worker(
         "--reset-data-dir", help="Start afresh when the data dir holds the tables of another "
         "cluster or app: drop them (this cluster's are restored from its changelogs).")]
     = False,
+    gpu_executor: Annotated[Optional[str], typer.Option(
+        help="'inprocess' (default: each worker loads its engines) or 'shared' (one executor "
+        "server per GPU merges every worker's batches; with --processes it is started per "
+        "GPU, else start `streamapp gpu-server` first). See docs/scaleout.md.")] = None,
 ) -> None:
     """Run a worker: consume requests, batch, infer, produce results and dead letters.
 
@@ -158,7 +162,7 @@ def worker(
         max_batch_size=max_batch_size, max_batch_delay_ms=max_batch_delay_ms,
         max_inflight_batches=max_inflight_batches, topic_prefix=topic_prefix,
         topic_partitions=topic_partitions, web_port=web_port, web_bind=web_bind,
-        data_dir=data_dir, log_level=log_level,
+        data_dir=data_dir, log_level=log_level, gpu_executor=gpu_executor,
     )
     try:
         settings = resolve_broker_kind(load_settings(**flags))
@@ -210,6 +214,34 @@ def worker(
 
     banner = startup_block(settings, loaded)
     make_worker(app, settings.log_level, banner).execute_from_commandline()
+
+
+@cli.command("gpu-server")
+def gpu_server(
+    backend: Annotated[Optional[str], typer.Option(help="Engine backend or 'auto'.")] = None,
+    models: Annotated[Optional[str], typer.Option(help="Comma-separated model names.")] = None,
+    max_batch_size: Annotated[Optional[int], typer.Option(
+        help="Largest merged batch (the engine's max batch).")] = None,
+    socket_path: Annotated[Optional[str], typer.Option(
+        "--socket", help="Unix socket to listen on (STREAMAPP_GPU_SERVER_SOCKET).")] = None,
+    batch_delay_ms: Annotated[Optional[float], typer.Option(
+        help="Longest a merged batch waits for other workers (STREAMAPP_GPU_SERVER_BATCH_"
+        "DELAY_MS).")] = None,
+) -> None:
+    """Run the executor server of one GPU: load the models once and serve the host's workers
+    (started with --gpu-executor shared) from one dynamic batcher. `streamapp worker
+    --processes N --gpu-executor shared` starts one per GPU itself."""
+    from streamapp.gpu_server import run_gpu_server
+    from streamapp.settings import load_settings
+
+    try:
+        settings = load_settings(backend=backend, models=models, max_batch_size=max_batch_size,
+                                 gpu_server_socket=socket_path,
+                                 gpu_server_batch_delay_ms=batch_delay_ms)
+        code = run_gpu_server(settings)
+    except (StreamAppError, EngineError, OSError) as exc:
+        raise _fail(str(exc)) from None
+    raise typer.Exit(code)
 
 
 @cli.command()

@@ -23,6 +23,7 @@ __all__ = [
     "Backend",
     "BrokerKind",
     "Codec",
+    "GpuExecutor",
     "SaslMechanism",
     "SecurityProtocol",
     "Settings",
@@ -34,6 +35,7 @@ Codec = Literal["json", "msgpack"]
 #: An engine backend: ``auto`` or a name registered in :mod:`engines.registry`.
 Backend = str
 ImageDecode = Literal["auto", "cpu"]
+GpuExecutor = Literal["inprocess", "shared"]
 BrokerKind = Literal["auto", "kafka", "embedded"]
 SecurityProtocol = Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]
 SaslMechanism = Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"]
@@ -163,6 +165,25 @@ class Settings(BaseSettings):
         2, ge=1,
         description="CUDA streams of the GPU executor (GPU backends only); batches in flight "
         "are spread over them, ceil(max_inflight_batches / cuda_streams) per stream.",
+    )
+    gpu_executor: GpuExecutor = Field(
+        "inprocess",
+        description="Where a worker's engines run: 'inprocess' (each worker loads its own, "
+        "one CUDA context per worker) or 'shared' (one executor server process per GPU loads "
+        "them once and merges the batches of every worker of the host into full batches; "
+        "`worker --processes N` starts one per GPU; docs/scaleout.md).",
+    )
+    gpu_server_socket: str = Field(
+        "",
+        description="Unix socket of the executor server a worker with gpu_executor=shared "
+        "uses, and where `streamapp gpu-server` listens; `worker --processes N` sets it per "
+        "GPU. Empty: <temp dir>/streamapp-<uid>/gpu-server.sock.",
+    )
+    gpu_server_batch_delay_ms: float = Field(
+        2.0, ge=0,
+        description="Longest the executor server holds a merged batch open for other "
+        "workers' batches after the first one arrived (ms); while every executor slot is busy "
+        "it keeps filling anyway. Only with gpu_executor=shared.",
     )
     models_dir: Path | None = Field(
         None, description="Model repository; default: the models bundled with streamapp."

@@ -73,12 +73,17 @@ class WorkerState:
     def readiness(self) -> dict[str, bool]:
         """The checks behind ``/ready``: partitions assigned, engines loaded and warmed up,
         tables recovered (no rebalance or changelog recovery in progress)."""
-        return {
+        checks = {
             "partitions_assigned": bool(self.assigned()),
             "engines_warm": bool(self.runtime.ready),
             "tables_recovered": not bool(getattr(self.app, "rebalancing", False)),
             "table_partitions_match": not self.partition_check.degraded,
         }
+        if self.settings.gpu_executor == "shared":
+            # False while the executor server is down (its clients reconnect on their own)
+            checks["gpu_server_reachable"] = bool(self.runtime.ready) and all(
+                getattr(m.executor, "connected", True) for m in self.runtime.models.values())
+        return checks
 
     def degraded(self) -> dict[str, str]:
         """Why the device state is degraded now, by component (empty: it is not): tables whose

@@ -50,6 +50,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -60,11 +61,14 @@ __all__ = [
     "STATE_NAME",
     "ChildSpec",
     "RestartPolicy",
+    "ServerSpec",
     "Supervisor",
     "gpu_for",
     "plan_children",
+    "plan_servers",
     "read_state",
     "run_supervisor",
+    "server_for",
     "visible_gpus",
 ]
 
@@ -193,6 +197,39 @@ class ChildSpec:
         return env
 
 
+@dataclass(frozen=True)
+class ServerSpec:
+    """The executor server of one GPU (``gpu_executor=shared``; :mod:`streamapp.gpu_server`).
+
+    Attributes:
+        index: 0 … one less than the number of GPUs (one server when there is none: CPU).
+        gpu: Its ``CUDA_VISIBLE_DEVICES`` entry, or None (CPU, or what the user set).
+        socket: Its Unix socket; the workers on its GPU connect there.
+    """
+
+    index: int
+    gpu: str | None
+    socket: str
+
+    def environment(self) -> dict[str, str]:
+        env = {"STREAMAPP_GPU_SERVER_SOCKET": self.socket}
+        if self.gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = self.gpu
+        return env
+
+
+def plan_servers(gpus: Sequence[str], folder: Path) -> list[ServerSpec]:
+    """One executor server per visible GPU (one for the CPU when none), sockets in
+    ``folder``."""
+    return [ServerSpec(i, gpu, str(folder / f"gpu-{i}.sock"))
+            for i, gpu in enumerate(gpus or [None])]  # type: ignore[list-item]
+
+
+def server_for(child: ChildSpec, servers: Sequence[ServerSpec]) -> ServerSpec:
+    """The server on ``child``'s GPU (the first one when it has none)."""
+    return next((s for s in servers if s.gpu == child.gpu), servers[0])
+
+
 def plan_children(
     n: int,
     *,
@@ -272,6 +309,18 @@ class _Child:
     process: asyncio.subprocess.Process | None = field(default=None, repr=False)
 
 
+@dataclass
+class _Server:
+    spec: ServerSpec
+    state: str = "starting"  # starting | ready | backoff | stopping | stopped | failed
+    pid: int | None = None
+    restarts: int = 0
+    quick_crashes: int = 0
+    last_exit: int | None = None
+    ready: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+    process: asyncio.subprocess.Process | None = field(default=None, repr=False)
+
+
 def describe_exit(rc: int) -> str:
     if rc < 0:
         with contextlib.suppress(ValueError):
@@ -303,6 +352,12 @@ class Supervisor:
         command: The child's command line (default ``python -m streamapp worker``).
         output: Binary stream that children's output lines go to, each prefixed with
             ``[<index>] `` (default: the parent's stdout).
+        servers: Executor servers to run (``gpu_executor=shared``), one per GPU: each is
+            started first, its workers only once its socket accepts connections; one that
+            exits is restarted with the same backoff (its workers' batches in flight fail
+            retriably meanwhile); they are stopped after every worker has stopped.
+        server_command: A server's command line (default ``python -m streamapp gpu-server``).
+        server_ready_timeout_s: How long a server may take to load its models (s).
     """
 
     def __init__(
@@ -315,8 +370,16 @@ class Supervisor:
         stop_timeout_s: float = 30.0,
         command: Sequence[str] | None = None,
         output: Any = None,
+        servers: Sequence[ServerSpec] = (),
+        server_command: Sequence[str] | None = None,
+        server_ready_timeout_s: float = 300.0,
     ) -> None:
         self.children = [_Child(spec) for spec in specs]
+        self.servers = [_Server(spec) for spec in servers]
+        self.server_command = list(server_command or [sys.executable, "-m", "streamapp",
+                                                      "gpu-server"])
+        self.server_ready_timeout_s = server_ready_timeout_s
+        self._servers_stop = asyncio.Event()
         self.environ = dict(environ)
         self.state_path = state_path
         self.policy = policy or RestartPolicy()
@@ -353,9 +416,14 @@ class Supervisor:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop, f"got {signal.Signals(sig).name}")
+        server_tasks = [asyncio.create_task(self._watch_server(s)) for s in self.servers]
         try:
             results = await asyncio.gather(*(self._watch(c) for c in self.children))
         finally:
+            self._servers_stop.set()  # the workers have drained: the servers go last
+            for server in self.servers:
+                self._signal(server, signal.SIGTERM)
+            servers_clean = await self._stop_servers(server_tasks)
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)
             if self._killer is not None:
@@ -364,7 +432,122 @@ class Supervisor:
         if self._failed:
             log.error("supervisor: %s", self._failed)
             return 1
-        return 0 if all(results) else 1
+        return 0 if all(results) and servers_clean else 1
+
+    # -- executor servers ------------------------------------------------------------------------
+
+    async def _watch_server(self, server: _Server) -> bool:
+        """Run one executor server until the workers have stopped; restart it when it exits.
+        True when it stopped cleanly."""
+        spec = server.spec
+        while not self._servers_stop.is_set():
+            env = {**self.environ, **spec.environment()}
+            env.setdefault("PYTHONUNBUFFERED", "1")
+            server.process = await asyncio.create_subprocess_exec(
+                *self.server_command, env=env, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT, start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+            server.pid, server.state = server.process.pid, "starting"
+            started = time.monotonic()
+            log.info("supervisor: gpu-server %d started (pid %d, gpu %s, socket %s%s)",
+                     spec.index, server.pid, spec.gpu if spec.gpu is not None else "-",
+                     spec.socket, f", restart {server.restarts}" if server.restarts else "")
+            self._write_state()
+            output = asyncio.create_task(self._pipe(server.process, f"[gpu-server {spec.index}] "))
+            ready = asyncio.create_task(self._server_ready(server))
+            rc = await server.process.wait()
+            ready.cancel()
+            await output
+            server.ready.clear()
+            server.last_exit, server.pid, server.process = rc, None, None
+            if self._servers_stop.is_set():
+                server.state = "stopped" if rc == 0 else "failed"
+                self._write_state()
+                return rc == 0
+            ran_s = time.monotonic() - started
+            server.quick_crashes = (server.quick_crashes + 1
+                                    if ran_s < self.policy.stable_after_s else 1)
+            if server.quick_crashes >= self.policy.max_quick_crashes:
+                server.state = "failed"
+                self._failed = (f"gpu-server {spec.index} crashed {server.quick_crashes} times "
+                                f"in a row (last: {describe_exit(rc)}); its log lines are the "
+                                f"ones prefixed [gpu-server {spec.index}] above")
+                self.request_stop(f"gpu-server {spec.index} is in a crash loop")
+                self._write_state()
+                return False
+            delay = self.policy.backoff_s(server.quick_crashes)
+            server.state = "backoff"
+            log.warning("supervisor: gpu-server %d exited with %s after %.1f s; restart %d in "
+                        "%.1f s (its workers' batches fail retriably meanwhile)", spec.index,
+                        describe_exit(rc), ran_s, server.restarts + 1, delay)
+            self._write_state()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._servers_stop.wait(), timeout=delay)
+            server.restarts += 1
+        server.state = "stopped"
+        return True
+
+    async def _stop_servers(self, tasks: Sequence[asyncio.Task[bool]]) -> bool:
+        """Wait for the SIGTERMed servers (``stop_timeout_s``, then SIGKILL)."""
+        if not tasks:
+            return True
+        done, _ = await asyncio.wait(tasks, timeout=self.stop_timeout_s)
+        if len(done) < len(tasks):
+            for server in self.servers:
+                log.error("supervisor: gpu-server %d did not stop within %.0f s; SIGKILL",
+                          server.spec.index, self.stop_timeout_s)
+                self._signal(server, signal.SIGKILL)
+            await asyncio.wait(tasks)
+            return False
+        return all(t.result() for t in tasks)
+
+    async def _server_ready(self, server: _Server) -> None:
+        """Set ``server.ready`` once its socket accepts a connection (it listens only after
+        loading and warming up its models); stop everything when it takes too long."""
+        deadline = time.monotonic() + self.server_ready_timeout_s
+        while True:
+            try:
+                _, writer = await asyncio.open_unix_connection(server.spec.socket)
+            except OSError:
+                if time.monotonic() > deadline:
+                    self._failed = (f"gpu-server {server.spec.index} did not listen on "
+                                    f"{server.spec.socket} within "
+                                    f"{self.server_ready_timeout_s:.0f} s")
+                    self.request_stop(f"gpu-server {server.spec.index} is not ready")
+                    return
+                await asyncio.sleep(0.1)
+                continue
+            writer.close()
+            server.state = "ready"
+            server.ready.set()
+            log.info("supervisor: gpu-server %d ready (%s)", server.spec.index,
+                     server.spec.socket)
+            self._write_state()
+            return
+
+    async def _pipe(self, proc: asyncio.subprocess.Process, prefix: str) -> None:
+        if proc.stdout is not None:
+            tag = prefix.encode()
+            while line := await proc.stdout.readline():
+                self.output.write(tag + line)
+                self.output.flush()
+
+    async def _server_up(self, child: _Child) -> None:
+        """Wait until the executor server of ``child``'s GPU is ready (no servers: at once),
+        or the stop request."""
+        if not self.servers:
+            return
+        servers = [s.spec for s in self.servers]
+        mine = self.servers[servers.index(server_for(child.spec, servers))]
+        if mine.ready.is_set():
+            return
+        waits = [asyncio.create_task(mine.ready.wait()), asyncio.create_task(self._stop.wait())]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
 
     # -- per child -------------------------------------------------------------------------------
 
@@ -373,6 +556,9 @@ class Supervisor:
         i = child.spec.index
         clean = True
         while not self._stop.is_set():
+            await self._server_up(child)
+            if self._stop.is_set():
+                break
             await self._start(child)
             rc = await self._wait(child)
             ran_s = time.monotonic() - (child.started_at or time.monotonic())
@@ -416,6 +602,9 @@ class Supervisor:
     async def _start(self, child: _Child) -> None:
         spec = child.spec
         env = {**self.environ, **spec.environment(child.restarts)}
+        if self.servers:
+            env["STREAMAPP_GPU_SERVER_SOCKET"] = server_for(
+                spec, [s.spec for s in self.servers]).socket
         env.setdefault("PYTHONUNBUFFERED", "1")
         child.process = await asyncio.create_subprocess_exec(
             *self.command, env=env, stdout=asyncio.subprocess.PIPE,
@@ -458,7 +647,7 @@ class Supervisor:
                 self._signal(child, signal.SIGKILL)
 
     @staticmethod
-    def _signal(child: _Child, sig: int) -> None:
+    def _signal(child: _Child | _Server, sig: int) -> None:
         proc = child.process
         if proc is None or proc.returncode is not None:
             return
@@ -483,6 +672,11 @@ class Supervisor:
                     "last_exit": c.last_exit,
                 }
                 for c in self.children
+            ],
+            "servers": [
+                {**asdict(s.spec), "pid": s.pid, "state": s.state, "restarts": s.restarts,
+                 "last_exit": s.last_exit}
+                for s in self.servers
             ],
         }
 
@@ -550,8 +744,22 @@ def run_supervisor(settings: Any, n: int, flags: Mapping[str, Any]) -> int:
             environ[f"STREAMAPP_{name.upper()}"] = (
                 ",".join(map(str, value)) if isinstance(value, list | tuple) else str(value)
             )
+    servers: list[ServerSpec] = []
+    folder = None
+    if settings.gpu_executor == "shared":
+        # A private folder (mode 0700) with a short path: a Unix socket path has at most
+        # 107 bytes, which a deep data directory could exceed.
+        folder = Path(tempfile.mkdtemp(prefix="streamapp-gpu-"))
+        servers = plan_servers(gpus, folder)
+        log.info("supervisor: gpu_executor=shared: %d executor server(s) (%s)", len(servers),
+                 ", ".join(f"gpu {s.gpu if s.gpu is not None else '-'}: {s.socket}"
+                           for s in servers))
     supervisor = Supervisor(
         specs, environ=environ, state_path=data_dir / STATE_NAME,
-        stop_timeout_s=max(30.0, 2 * settings.session_timeout_s),
+        stop_timeout_s=max(30.0, 2 * settings.session_timeout_s), servers=servers,
     )
-    return asyncio.run(supervisor.run())
+    try:
+        return asyncio.run(supervisor.run())
+    finally:
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)

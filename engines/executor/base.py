@@ -14,12 +14,30 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from engines.base import Engine, TensorSpec
-from engines.exceptions import InputSpecError
+from engines.exceptions import EngineClosedError, InputSpecError
 
-__all__ = ["Executor", "Item", "pack_items"]
+__all__ = ["Executor", "Item", "check_batch", "pack_items"]
 
 #: One request's inputs: input name → array of the input's item shape (no batch dimension).
 Item = Mapping[str, np.ndarray]
+
+
+def check_batch(items: Sequence[Item], *, closed: bool, max_batch: int, who: str) -> None:
+    """What every executor's ``run`` checks first.
+
+    Raises:
+        EngineClosedError: ``closed``.
+        InputSpecError: ``items`` is empty or longer than ``max_batch`` (``who``'s limit, e.g.
+            "the executor's").
+    """
+    if closed:
+        raise EngineClosedError("the executor is closed")
+    if not items:
+        raise InputSpecError("cannot run an empty batch")
+    if len(items) > max_batch:
+        raise InputSpecError(
+            f"batch of {len(items)} items exceeds {who} max batch {max_batch}; split it"
+        )
 
 
 def pack_items(

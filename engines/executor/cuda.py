@@ -41,7 +41,7 @@ from engines.exceptions import (
     EngineRuntimeError,
     InputSpecError,
 )
-from engines.executor.base import Executor, Item, pack_items
+from engines.executor.base import Executor, Item, check_batch, pack_items
 from engines.preprocess.base import StagedBatch, stage_encoded, supports_gpu_images
 
 __all__ = ["CudaExecutor", "TimelineEntry", "overlap_report"]
@@ -343,15 +343,7 @@ class CudaExecutor(Executor):
             InputSpecError: Empty batch or more than ``max_batch`` items.
             EngineClosedError: The executor is closed.
         """
-        if self._closed:
-            raise EngineClosedError("the executor is closed")
-        if not items:
-            raise InputSpecError("cannot run an empty batch")
-        if len(items) > self.max_batch:
-            raise InputSpecError(
-                f"batch of {len(items)} items exceeds the executor's max batch {self.max_batch}; "
-                "split it"
-            )
+        check_batch(items, closed=self._closed, max_batch=self.max_batch, who="the executor's")
         slot = await self._acquire()
         loop = asyncio.get_running_loop()
         future: asyncio.Future[dict[str, np.ndarray]] = loop.create_future()

@@ -22,7 +22,7 @@ from engines.preprocess import EncodedImage, ImageDecodingEngine
 from streamapp.models.repository import ModelConfig
 from streamapp.records import InferenceRequest
 
-__all__ = ["ImageDecoder", "default_decode_threads"]
+__all__ = ["ImageDecoder", "configure_engine_images", "default_decode_threads"]
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +39,23 @@ def default_decode_threads() -> int:
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
     return max(1, min(8, cores))
+
+
+def configure_engine_images(config: ModelConfig, engine: object) -> str | None:
+    """Let ``engine`` decode ``config``'s JPEG frames when it can (what the worker does, and
+    the executor server for the engines it serves).
+
+    Returns:
+        None when the engine decodes them from now on; else why not.
+    """
+    if config.image is None:
+        return "the model takes no images"
+    if not isinstance(engine, ImageDecodingEngine):
+        return f"the {type(engine).__name__} engine does not decode images"
+    spec = config.image_spec()
+    if spec is None:
+        return "the image declaration cannot be folded into one GPU pre-processing step"
+    return engine.configure_images(config.input_name, spec)
 
 
 class ImageDecoder:
@@ -64,14 +81,7 @@ class ImageDecoder:
             None when the engine decodes them from now on; else why not (the frames are then
             decoded on the CPU).
         """
-        if config.image is None:
-            return "the model takes no images"
-        if not isinstance(engine, ImageDecodingEngine):
-            return f"the {type(engine).__name__} engine does not decode images"
-        spec = config.image_spec()
-        if spec is None:
-            return "the image declaration cannot be folded into one GPU pre-processing step"
-        reason = engine.configure_images(config.input_name, spec)
+        reason = configure_engine_images(config, engine)
         if reason is None:
             self._gpu.add(config.name)
         return reason

@@ -18,7 +18,7 @@ from streamapp.agents.pipeline import LoadedModel
 from streamapp.models.repository import ModelConfig, ModelRepository
 from streamapp.settings import Settings
 
-__all__ = ["load_models"]
+__all__ = ["connect_models", "load_local_models", "load_models"]
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,9 @@ def _make_executor(
 
 
 def load_models(settings: Settings) -> dict[str, LoadedModel]:
-    """Load every model in ``settings.models`` with ``settings.backend``.
+    """Load every model in ``settings.models``: with ``settings.backend`` in this process, or,
+    with ``gpu_executor=shared``, as clients of the executor server at
+    ``gpu_server_socket`` (:func:`connect_models`).
 
     Returns:
         Model name → the loaded model (its config and the executor running its engine).
@@ -60,6 +62,18 @@ def load_models(settings: Settings) -> dict[str, LoadedModel]:
         ModelNotFoundError: A model is not in the repository.
         EngineError: A backend is unknown/unavailable or a model failed to load (with ``auto``:
             no candidate loaded it; the message lists each one's error).
+    """
+    if settings.gpu_executor == "shared":
+        return connect_models(settings)
+    return load_local_models(settings)
+
+
+def load_local_models(settings: Settings) -> dict[str, LoadedModel]:
+    """Load every model in ``settings.models`` with ``settings.backend`` in this process
+    (what a worker with ``gpu_executor=inprocess`` and the executor server do).
+
+    Raises:
+        As :func:`load_models`.
     """
     repo = ModelRepository(settings.models_dir)
     loaded = {}
@@ -73,4 +87,29 @@ def load_models(settings: Settings) -> dict[str, LoadedModel]:
         executor = load_first(settings.backend, make)
         loaded[name] = LoadedModel(config, executor)
         log.info("loaded model %s v%s with %s", name, config.version, executor.engine.info.tag)
+    return loaded
+
+
+def connect_models(settings: Settings) -> dict[str, LoadedModel]:
+    """Every model in ``settings.models`` as a client of the executor server
+    (:class:`engines.server.SharedExecutor`, ``max_inflight_batches`` slots each).
+
+    Raises:
+        ModelNotFoundError: A model is not in the repository.
+        ExecutorUnavailableError: No server answers at the socket (the message says how to
+            start one).
+        InputSpecError: The server does not serve a model.
+    """
+    from engines.server import SharedExecutor
+    from streamapp.gpu_server import server_socket
+
+    repo = ModelRepository(settings.models_dir)
+    path = server_socket(settings)
+    loaded = {}
+    for name in settings.models:
+        config = repo.get(name)
+        executor = SharedExecutor(path, name, max_inflight=settings.max_inflight_batches)
+        loaded[name] = LoadedModel(config, executor)
+        log.info("model %s v%s served by the executor server at %s (%s)", name,
+                 config.version, path, executor.engine.info.tag)
     return loaded

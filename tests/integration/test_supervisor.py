@@ -5,12 +5,15 @@ one clear line)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +21,7 @@ from typing import Any
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
+from engines.server import query_stats
 from streamapp.broker import EmbeddedBroker
 from streamapp.client import collect_outcomes, digits_requests, load_digits_frames, publish
 from streamapp.datadir import LOCK_NAME
@@ -54,12 +58,19 @@ def _cuda_visible_devices(pid: int) -> str | None:
 
 
 @pytest.fixture
-def supervised(worker_settings: Settings, tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
+def supervisor_options() -> dict[str, str]:
+    """Extra ``STREAMAPP_*`` settings of the ``supervised`` fixture (parametrize to change)."""
+    return {}
+
+
+@pytest.fixture
+def supervised(worker_settings: Settings, tmp_path: Path, supervisor_options: dict[str, str]
+               ) -> Iterator[subprocess.Popen[bytes]]:
     """``streamapp worker --processes 2`` with its output in tmp_path/supervisor.log."""
     with open(tmp_path / "supervisor.log", "wb") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "streamapp", "worker", "--processes", "2"],
-            env=_env(worker_settings, tmp_path / "data"), stdout=log,
+            env={**_env(worker_settings, tmp_path / "data"), **supervisor_options}, stdout=log,
             stderr=subprocess.STDOUT, start_new_session=True,
         )
     try:
@@ -169,6 +180,74 @@ async def test_two_supervised_workers_survive_a_sigkill_and_drain_on_sigterm(
     committed, ends = await _committed_and_ends(bootstrap, settings)
     assert sum(v or 0 for v in ends.values()) == total
     assert committed == ends
+
+
+def _get_json(url: str) -> tuple[int, Any]:
+    try:
+        with urllib.request.urlopen(url, timeout=2.0) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"null")
+    except (OSError, ValueError):
+        return 0, None
+
+
+def _servers(tmp_path: Path) -> list[dict[str, Any]]:
+    state = read_state(tmp_path / "data")
+    return [] if state is None else list(state.get("servers", []))
+
+
+@pytest.mark.parametrize("supervisor_options", [{
+    "STREAMAPP_GPU_EXECUTOR": "shared", "STREAMAPP_MAX_RETRIES": "12",
+    "STREAMAPP_RETRY_BACKOFF_MAX_MS": "2000",
+}])
+async def test_shared_gpu_executor_answers_everything_across_a_killed_server(
+    kafka_broker: EmbeddedBroker, worker_settings: Settings, tmp_path: Path,
+    supervised: subprocess.Popen[bytes],
+) -> None:
+    """``--processes 2 --gpu-executor shared`` on CPU: one executor server serves both
+    workers; SIGKILLed while requests flow, it is restarted, the failed batches come back
+    through the retry topic, and every request gets exactly one result. (Device totals after
+    retries are checked with one worker in tests/integration/test_shared_executor.py: with two,
+    a retry processed by the worker that does not own its device's table partition is not
+    added to the owner's row, which is not about the executor.)"""
+    settings, proc = worker_settings, supervised
+    bootstrap = kafka_broker.bootstrap_servers
+    await _until("both ready", lambda: len(_children(tmp_path)) == 2 and all(
+        _ready(c["url"]) for c in _children(tmp_path)), proc, tmp_path)
+    (server,) = _servers(tmp_path)
+    assert server["state"] == "ready" and server["pid"] is not None
+    for c in _children(tmp_path):
+        status, body = _get_json(f"{c['url']}/ready")
+        assert status == 200 and body["checks"]["gpu_server_reachable"] is True
+        assert body["engines"]["digits"]["backend"] == "onnxruntime"
+
+    images, _ = load_digits_frames()
+    total, devices = 1500, 16
+    requests = digits_requests(images, devices=devices,
+                               indices=[i % len(images) for i in range(total)])
+    ids = {r.request_id for _, r in requests}
+    publisher = asyncio.create_task(
+        publish(bootstrap, settings.request_topic, requests, codec="msgpack", rate_per_s=300))
+    await _until("200 requests through the server", lambda: query_stats(
+        server["socket"])["digits"]["rows"] >= 200, proc, tmp_path)
+    os.kill(server["pid"], signal.SIGKILL)
+    await _until("the server restarted", lambda: (s := _servers(tmp_path)[0])["restarts"] == 1
+                 and s["state"] == "ready", proc, tmp_path)
+    await publisher
+    out = await collect_outcomes(
+        bootstrap, settings.result_topic, settings.dlq_topic,
+        done=lambda o: ids <= (o.result_ids() | o.dead_letter_ids()), timeout_s=180,
+    )
+    assert out.dead_letters == [], _log(tmp_path)
+    counts = Counter(r["request_id"] for r in out.results)
+    assert set(counts) == ids and set(counts.values()) == {1}
+    # the kill did fail batches: some requests were answered on a retry
+    assert any(r["attempt"] > 0 for r in out.results), _log(tmp_path)
+    os.kill(proc.pid, signal.SIGTERM)
+    assert await asyncio.to_thread(proc.wait, 90) == 0, _log(tmp_path)
+    assert [s["state"] for s in _servers(tmp_path)] == ["stopped"]
+    assert [c["state"] for c in _children(tmp_path)] == ["stopped", "stopped"]
 
 
 async def test_a_second_worker_in_a_used_data_dir_stops_with_one_clear_line(

@@ -1,0 +1,209 @@
+"""The executor server and its client on CPU (ONNX Runtime, the bundled digits model): the
+predictions equal the in-process executor's, sub-batches of two clients are merged into one
+engine batch, and a server that dies fails the batch in flight with the retriable error."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from engines.base import Engine
+from engines.exceptions import ExecutorUnavailableError, InputSpecError
+from engines.executor import Item, ThreadExecutor
+from engines.registry import load_engine
+from engines.server import ExecutorServer, SharedExecutor, query_stats
+
+DIGITS = Path(__file__).resolve().parents[3] / "streamapp" / "models" / "digits" / "model.onnx"
+
+
+class CountingExecutor(ThreadExecutor):
+    """A thread executor that records the size of every batch its engine runs."""
+
+    def __init__(self, engine: Engine, **kwargs: Any) -> None:
+        super().__init__(engine, **kwargs)
+        self.sizes: list[int] = []
+
+    async def run(self, items: Sequence[Item]) -> dict[str, np.ndarray]:
+        self.sizes.append(len(items))
+        return await super().run(items)
+
+
+@pytest.fixture
+def engine() -> Iterator[Engine]:
+    with load_engine("onnxruntime", DIGITS, max_batch_size=16, intra_op_threads=1) as e:
+        yield e
+
+
+@pytest.fixture
+def frames() -> np.ndarray:
+    """Real digits as the engine takes them: float32[64, 1, 8, 8] (pixel / 16)."""
+    from sklearn.datasets import load_digits
+
+    return (load_digits().images[:64] / 16.0).astype(np.float32).reshape(64, 1, 8, 8)
+
+
+def _items(x: np.ndarray) -> list[dict[str, np.ndarray]]:
+    return [{"input": row} for row in x]
+
+
+@contextmanager
+def serving(executors: Mapping[str, Any], path: Path, **options: Any) -> Iterator[ExecutorServer]:
+    """An :class:`ExecutorServer` on its own event loop in a thread (as in its own process)."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    server = ExecutorServer(executors, path, **options)
+    asyncio.run_coroutine_threadsafe(server.start(), loop).result(10)
+    try:
+        yield server
+    finally:
+        asyncio.run_coroutine_threadsafe(server.close(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+async def _client(path: Path, model: str = "digits", **kwargs: Any) -> SharedExecutor:
+    return await asyncio.to_thread(SharedExecutor, path, model, **kwargs)
+
+
+async def test_predictions_equal_the_in_process_executor(
+    engine: Engine, frames: np.ndarray, tmp_path: Path,
+) -> None:
+    local = ThreadExecutor(engine)
+    expected = [await local.run(_items(frames[i:i + 16])) for i in range(0, 64, 16)]
+    with serving({"digits": ThreadExecutor(engine)}, tmp_path / "s.sock",
+                 batch_delay_ms=0.0) as server:
+        client = await _client(tmp_path / "s.sock")
+        try:
+            got = [await client.run(_items(frames[i:i + 16])) for i in range(0, 64, 16)]
+            inline = await _client(tmp_path / "s.sock", shm=False)  # the socket fallback
+            got_inline = await inline.run(_items(frames[:16]))
+            await inline.close()
+        finally:
+            await client.close()
+        assert client.engine.inputs == engine.inputs and client.max_batch == 16
+        assert server.stats["digits"].rows == 64 + 16
+    for want, have in zip(expected, got, strict=True):
+        assert have["probs"].dtype == np.float32 and have["probs"].shape == (16, 10)
+        np.testing.assert_array_equal(have["probs"], want["probs"])
+    np.testing.assert_array_equal(got_inline["probs"], expected[0]["probs"])
+    assert [int(p) for p in got[0]["probs"].argmax(axis=1)][:5] == [0, 1, 2, 3, 4]
+    await local.close()
+
+
+async def test_two_clients_batches_of_8_reach_the_engine_as_one_batch_of_16(
+    engine: Engine, frames: np.ndarray, tmp_path: Path,
+) -> None:
+    """The merged batch can close only when full (a delay of 60 s), so the engine's one batch
+    of 16 is both clients' sub-batches; each client gets its own rows back."""
+    local = await ThreadExecutor(engine).run(_items(frames[:16]))
+    counting = CountingExecutor(engine)
+    path = tmp_path / "s.sock"
+    with serving({"digits": counting}, path, batch_delay_ms=60_000.0):
+        a, b = await _client(path), await _client(path)
+        try:
+            out_a, out_b = await asyncio.wait_for(asyncio.gather(
+                a.run(_items(frames[:8])), b.run(_items(frames[8:16]))), 30)
+            stats = query_stats(path)["digits"]
+        finally:
+            await a.close()
+            await b.close()
+    assert counting.sizes == [16]
+    assert stats["batches"] == 1 and stats["sub_batches"] == 2 and stats["merged"] == 1
+    assert stats["mean_batch"] == 16.0 and stats["sizes"] == {"16": 1}
+    np.testing.assert_array_equal(out_a["probs"], local["probs"][:8])
+    np.testing.assert_array_equal(out_b["probs"], local["probs"][8:])
+
+
+async def test_a_lone_sub_batch_runs_after_the_delay(
+    engine: Engine, frames: np.ndarray, tmp_path: Path,
+) -> None:
+    counting = CountingExecutor(engine)
+    with serving({"digits": counting}, tmp_path / "s.sock", batch_delay_ms=5.0):
+        client = await _client(tmp_path / "s.sock")
+        try:
+            await client.run(_items(frames[:8]))
+            with pytest.raises(InputSpecError, match="expects float32"):
+                await client.run([{"input": frames[0].astype(np.float64)}])
+        finally:
+            await client.close()
+    assert counting.sizes == [8]
+
+
+# -- a server in its own process, killed -----------------------------------------------------------
+
+
+def _start_server(path: Path, log: Path, delay_ms: float) -> subprocess.Popen[bytes]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMAPP_")}
+    env.update({"STREAMAPP_BACKEND": "onnxruntime", "STREAMAPP_MAX_BATCH_SIZE": "32",
+                "STREAMAPP_GPU_SERVER_SOCKET": str(path),
+                "STREAMAPP_GPU_SERVER_BATCH_DELAY_MS": str(delay_ms)})
+    with open(log, "ab") as out:
+        return subprocess.Popen([sys.executable, "-m", "streamapp", "gpu-server"], env=env,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+async def _until(what: str, check: Callable[[], bool], log: Path, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"not {what} after {timeout_s} s:\n" + \
+            log.read_text(errors="replace")[-3000:]
+        await asyncio.sleep(0.05)
+
+
+def _listening(path: Path) -> bool:
+    try:
+        query_stats(path, timeout_s=1.0)
+    except ExecutorUnavailableError:
+        return False
+    return True
+
+
+@pytest.mark.slow
+async def test_a_killed_server_fails_the_pending_batch_retriably_and_the_client_reconnects(
+    frames: np.ndarray, tmp_path: Path,
+) -> None:
+    path, log = tmp_path / "s.sock", tmp_path / "server.log"
+    # a delay of 60 s: the batch of 8 waits in the server's batcher until the kill
+    server = _start_server(path, log, 60_000.0)
+    client = None
+    try:
+        await _until("listening", lambda: _listening(path), log)
+        client = await _client(path)
+        pending = asyncio.ensure_future(client.run(_items(frames[:8])))
+        await _until("the batch queued in the server",
+                     lambda: query_stats(path)["digits"]["sub_batches"] == 1, log)
+        assert not pending.done()
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+        with pytest.raises(ExecutorUnavailableError) as failed:
+            await asyncio.wait_for(pending, 10)
+        assert failed.value.retriable is True and failed.value.reason == "executor_unavailable"
+        await _until("disconnected", lambda: not client.connected, log)  # type: ignore[union-attr]
+        with pytest.raises(ExecutorUnavailableError):  # at once, not after a timeout
+            await asyncio.wait_for(client.run(_items(frames[:8])), 2)
+
+        server = _start_server(path, log, 0.0)  # the supervisor's restart
+        await _until("reconnected", lambda: client.connected, log)  # type: ignore[union-attr]
+        out = await asyncio.wait_for(client.run(_items(frames[:8])), 30)
+        assert [int(p) for p in out["probs"].argmax(axis=1)] == [0, 1, 2, 3, 4, 5, 6, 7]
+        assert client.disconnects == 1
+    finally:
+        if client is not None:
+            await client.close()
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGTERM)
+            assert server.wait(30) == 0, log.read_text(errors="replace")[-3000:]
