@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import faust
@@ -21,6 +21,7 @@ from streamapp.record_batches import undecodable_counts
 from streamapp.settings import Settings
 from streamapp.tables import DeviceStateObserver, DeviceStateReader, WindowPlan
 from streamapp.tables.faust_tables import FaustDeviceTables, define_tables
+from streamapp.tables.rows import RowScreen
 
 __all__ = ["WorkerState", "advertised_host", "build_state"]
 
@@ -49,6 +50,8 @@ class WorkerState:
     observer: DeviceStateObserver
     reader: DeviceStateReader
     metrics: Metrics
+    #: Row readers of every restored table (device tables, retry_counts): their rejections.
+    screens: list[RowScreen] = field(default_factory=list)
 
     @property
     def worker(self) -> str:
@@ -92,6 +95,10 @@ class WorkerState:
         gauges.table_flushes = stats.flushes
         gauges.table_rows_written = stats.rows_written
         gauges.table_buckets_expired = stats.buckets_expired
+        gauges.rows_rejected = {
+            (screen.table, reason, source): n
+            for screen in self.screens for (reason, source), n in screen.rejected.items()
+        }
         delivery = self.runtime.delivery.stats
         produced = pipeline.stats if pipeline is not None else None
         gauges.delivery = {
@@ -147,6 +154,7 @@ def build_state(app: faust.App, settings: Settings, runtime: Any) -> WorkerState
     state = WorkerState(
         app=app, settings=settings, runtime=runtime, tables=tables, plan=plan,
         observer=observer, reader=DeviceStateReader(tables, plan), metrics=metrics,
+        screens=list(tables.screens.values()),
     )
     metrics.add_refresher(state.refresh_gauges)
     return state
