@@ -146,6 +146,10 @@ def worker(
         # One process per data directory (RocksDB): fail here, before joining the group.
         lock_data_dir(settings.data_dir, holder="supervisor" if processes else "worker")
         _check_web_ports(settings, processes or 1)
+        # Window sizes are fixed for a deployment: refuse others than the stored state's.
+        from streamapp.tables.stored_windows import check_stored_windows
+
+        notices = [n for n in (check_stored_windows(settings),) if n]
         app = None
         if processes is None:
             from streamapp.app import create_app
@@ -170,7 +174,7 @@ def worker(
     from streamapp.logs import startup_block
 
     banner = startup_block(settings, loaded)
-    make_worker(app, settings.log_level, banner).execute_from_commandline()
+    make_worker(app, settings.log_level, banner, notices).execute_from_commandline()
 
 
 @cli.command()

@@ -157,6 +157,7 @@ class Worker(faust.Worker):  # type: ignore[misc]
     ``[^Worker]`` in the log, like Faust's."""
 
     banner = ""
+    notices: Sequence[str] = ()
 
     def on_setup_root_logger(self, logger: logging.Logger, level: int) -> None:
         # Called once Faust configured logging, before its first line ("Starting...").
@@ -168,11 +169,15 @@ class Worker(faust.Worker):  # type: ignore[misc]
                 handler.addFilter(QuietChangelogs())
         if self.banner:
             log.info("%s", self.banner)
+        for notice in self.notices:
+            log.warning("%s", notice)
 
 
-def make_worker(app: Any, loglevel: str, banner: str = "") -> faust.Worker:
+def make_worker(app: Any, loglevel: str, banner: str = "", notices: Sequence[str] = ()
+                ) -> faust.Worker:
     """A ``faust.Worker`` for ``app`` without Faust's terminal spinner, whose log starts with
-    ``banner`` (:func:`streamapp.logs.startup_block`) and, above debug, leaves out Faust's
+    ``banner`` (:func:`streamapp.logs.startup_block`) and ``notices`` (one WARNING each: what
+    the checks before the start found) and, above debug, leaves out Faust's
     per-changelog-table INFO lines (:class:`streamapp.logs.QuietChangelogs`).
 
     With a log level of warning or above, Faust's worker keeps a progress spinner that it feeds
@@ -184,6 +189,7 @@ def make_worker(app: Any, loglevel: str, banner: str = "") -> faust.Worker:
     worker = Worker(app, loglevel=loglevel)
     worker.spinner = None
     worker.banner = banner
+    worker.notices = tuple(notices)
     return worker
 
 

@@ -13,13 +13,15 @@ Two kinds of rows, both JSON objects:
      "latency_ewma_ms": {"e2e": 12.1, "queue": 3.0, "infer": 0.9},
      "clock_skew": {"count": 1, "last_ms": 82800012.5, "last_ts": 1796000000.1},
      "first_seen": 1796000000.0, "last_seen": 1796000000.2,
-     "_buckets": {"10000": [1796000000000, ...]}}
+     "_buckets": {"10000": [1796000000000, ...]},
+     "_windows": {"tumbling_ms": 10000, "hopping_ms": 60000, "step_ms": 10000}}
 
   ``total`` counts finished requests (results + dead letters; a retry is not finished).
   ``state_reset`` (``{"reason", "detail", "at", "source"}``) is there only when the device's
   stored row could not be read and its counts started afresh at ``at``
   (:mod:`streamapp.tables.rows`); every later row keeps it. ``_buckets`` indexes the
-  device's window buckets so that expired ones can be deleted; it is internal and not served.
+  device's window buckets so that expired ones can be deleted, ``_windows`` the window sizes
+  (ms) they were written with; both are internal and not served.
 
 * a **bucket row** per device, bucket size and bucket start (table ``device_windows``)::
 
@@ -238,6 +240,10 @@ def update_stats(
         "first_seen": old.get("first_seen", delta.first_ts),
         "last_seen": delta.last_ts if delta.last_ts is not None else old.get("last_seen"),
         "_buckets": {size: starts for size, starts in index.items() if starts},
+        # what the buckets were written with: a worker started with other window sizes
+        # refuses to (streamapp.tables.stored_windows)
+        "_windows": {"tumbling_ms": plan.tumbling_ms, "hopping_ms": plan.hopping_ms,
+                     "step_ms": plan.step_ms},
     }
     if old.get("state_reset"):
         new["state_reset"] = old["state_reset"]

@@ -102,6 +102,11 @@ def check_stats_row(row: Any) -> str | None:
             for size, starts in buckets.items())
     ):
         return f"_buckets is {_short(buckets)}, not an object of size -> bucket starts"
+    windows = row.get("_windows")
+    if windows is not None and not (isinstance(windows, dict) and all(
+            _count(windows.get(name)) and windows[name] > 0
+            for name in ("tumbling_ms", "step_ms"))):
+        return f"_windows is {_short(windows)}, not the window sizes in ms"
     skew = row.get("clock_skew")
     return _first(
         _optional(row, "device_id", lambda v: isinstance(v, str), "a string"),
