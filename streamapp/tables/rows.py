@@ -98,7 +98,8 @@ def check_stats_row(row: Any) -> str | None:
     buckets = row.get("_buckets")
     if buckets is not None and not (
         isinstance(buckets, dict) and all(
-            size.isdigit() and isinstance(starts, list) and all(_count(s) for s in starts)
+            size.isdigit() and isinstance(starts, list)
+            and all(type(s) is int for s in starts)  # (not bool; the hot path of a flush)
             for size, starts in buckets.items())
     ):
         return f"_buckets is {_short(buckets)}, not an object of size -> bucket starts"
