@@ -207,10 +207,13 @@ async def read_partition_tails(
     )
     await start_or_close(consumer)
     try:
-        if topic not in await consumer.topics():
+        # all topics' metadata, without naming the topic (naming it would auto-create it on
+        # Tansu); the consumer's own view may not hold it yet
+        cluster = await consumer._client.fetch_all_metadata()
+        partitions = cluster.partitions_for_topic(topic)
+        if not partitions:
             return {}
-        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic)
-                                                        or ())]
+        tps = [TopicPartition(topic, p) for p in sorted(partitions)]
         consumer.assign(tps)
         begin = await consumer.beginning_offsets(tps)
         ends = await consumer.end_offsets(tps)

@@ -24,6 +24,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from aiokafka.errors import KafkaError
+
 from streamapp.exceptions import ConfigError
 from streamapp.kafka import kafka_security_options, read_partition_tails, run_sync
 from streamapp.settings import Settings
@@ -88,18 +90,23 @@ def check_stored_windows(settings: Settings, *, changelog: str | None = None) ->
             ``<app_id>-device_stats-changelog``).
 
     Returns:
-        None, or the WARNING to log when the sizes differ and ``accept_window_change`` is on
-        (returned, not logged: the worker's log is not set up yet when this runs).
+        None, or the WARNING to log (returned, not logged: the worker's log is not set up yet
+        when this runs) when the sizes differ and ``accept_window_change`` is on, or when the
+        broker could not be read (the worker then starts and waits for it, as before).
 
     Raises:
         ConfigError: The sizes differ and ``accept_window_change`` is off; one line naming each
             setting, its stored and configured value, and what to do.
     """
     topic = changelog or f"{settings.app_id}-device_stats-changelog"
-    tails = run_sync(lambda: read_partition_tails(
-        settings.bootstrap_servers, topic, TAIL_RECORDS,
-        security=kafka_security_options(settings),
-    ))
+    try:
+        tails = run_sync(lambda: read_partition_tails(
+            settings.bootstrap_servers, topic, TAIL_RECORDS,
+            security=kafka_security_options(settings),
+        ))
+    except (KafkaError, OSError, TimeoutError) as exc:  # the worker waits for its broker
+        return (f"the window sizes of the stored state could not be read from {topic} "
+                f"({type(exc).__name__}: {exc}): not checked")
     stored = newest_stored_windows(tails)
     if stored is None:
         return None

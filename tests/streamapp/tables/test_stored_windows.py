@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 import pytest
+from aiokafka.errors import KafkaConnectionError
 
 from streamapp.exceptions import ConfigError
 from streamapp.settings import Settings
@@ -91,3 +92,14 @@ def test_an_accepted_change_is_a_warning_and_nothing_stored_is_nothing_to_check(
     assert check_stored_windows(_settings()) is None
     stored_tail.clear()  # a new deployment (no changelog yet)
     assert check_stored_windows(_settings(tumbling_window_s=20.0)) is None
+
+
+def test_an_unreachable_broker_is_a_warning_not_a_traceback(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async def read(*args: Any, **kw: Any) -> dict[int, list[Any]]:
+        raise KafkaConnectionError("Unable to bootstrap from [('127.0.0.1', 1)]")
+
+    monkeypatch.setattr(stored_windows, "read_partition_tails", read)
+    warning = check_stored_windows(_settings(tumbling_window_s=20.0))
+    assert warning is not None and "could not be read" in warning and "not checked" in warning
