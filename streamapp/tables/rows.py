@@ -51,7 +51,7 @@ RowKind = Literal["stats", "bucket", "retry"]
 #: Why a row was rejected: ``undecodable`` (not UTF-8 JSON), ``bad_shape`` (JSON, not a row of
 #: the table), ``no_key`` (a changelog record without a key).
 REJECT_REASONS = ("undecodable", "bad_shape", "no_key")
-#: Keys whose bad stored row was already logged (bounded, so a flood of bad rows cannot grow it).
+#: Bad stored rows remembered (bounded, so a flood of bad rows cannot grow the memory).
 _REPORTED_MAX = 10_000
 
 
@@ -218,7 +218,9 @@ class RowScreen:
         self.kind = kind
         self.clock = clock
         self.rejected: Counter[tuple[str, str]] = Counter()
-        self._reported: set[bytes] = set()
+        #: key -> (bad stored bytes, the reset row answered for them), so that every read of
+        #: one bad row logs once and answers the same ``at``
+        self._reported: dict[bytes, tuple[bytes, dict[str, Any] | None]] = {}
 
     def changelog(self, topic: str, partition: int, offset: int, key: bytes | None,
                   value: bytes | None) -> Verdict:
@@ -257,13 +259,16 @@ class RowScreen:
         row, reason, detail = decode_row(raw, self.kind)
         if row is not None:
             return row
-        if key not in self._reported:
-            if len(self._reported) < _REPORTED_MAX:
-                self._reported.add(key)
-            self._reject(reason, "store")
-            log.error("%s: the stored row of key %s cannot be read (%s): %s", self.table,
-                      self._describe(key), detail, self._consequence(key))
-        return self._reset_row(key, reason, detail, {"store": self.table})
+        reported = self._reported.get(key)
+        if reported is not None and reported[0] == raw:  # the same bad row: the same reset
+            return reported[1]
+        self._reject(reason, "store")
+        log.error("%s: the stored row of key %s cannot be read (%s): %s", self.table,
+                  self._describe(key), detail, self._consequence(key))
+        reset = self._reset_row(key, reason, detail, {"store": self.table})
+        if len(self._reported) < _REPORTED_MAX:
+            self._reported[key] = (bytes(raw), reset)
+        return reset
 
     def _reject(self, reason: str, source: str) -> None:
         self.rejected[(reason, source)] += 1
