@@ -27,6 +27,7 @@ from streamapp.faust_compat import (
     event_context,
     guard_undecodable_batches,
     producer_client,
+    screen_changelog,
     set_fetch_max_wait,
     set_producer_buffer_max,
     set_read_committed,
@@ -43,6 +44,7 @@ from streamapp.retry import RetryRecord
 from streamapp.runtime import WorkerRuntime
 from streamapp.settings import Settings, load_settings
 from streamapp.state import advertised_host, build_state
+from streamapp.tables.rows import RowScreen
 from streamapp.topology import TopicWatch
 from streamapp.views import install_views
 
@@ -117,6 +119,11 @@ class TableRetryStore:
     def __init__(self, table: Any, check: PartitionCheck | None = None) -> None:
         self.table = table
         self.check = check
+        #: Reads the rows and screens the changelog records the table restores
+        #: (:mod:`streamapp.tables.rows`): one that cannot be read is logged, counted and
+        #: dropped, and never stops the recovery of the worker's other tables.
+        self.screen = RowScreen(table.name, "retry")
+        screen_changelog(table, self.screen)
 
     def _writable(self) -> bool:
         return self.check is None or self.check.gate()
@@ -136,9 +143,9 @@ class TableRetryStore:
                 del self.table[key]
 
     def get(self, request_id: str) -> dict[str, Any] | None:
-        """The row of a request, or None."""
-        value = self.table.get(request_id.encode())
-        return json.loads(value) if value else None
+        """The row of a request, or None (also when its stored bytes are not a row: logged)."""
+        key = request_id.encode()
+        return self.screen.read(key, self.table.get(key))
 
 
 def create_app(settings: Settings | None = None) -> faust.App:
@@ -203,6 +210,7 @@ def create_app(settings: Settings | None = None) -> faust.App:
     app.streamapp_settings = conf  # type: ignore[attr-defined]
     app.streamapp_retry_counts = retry_counts  # type: ignore[attr-defined]
     app.streamapp_state = state  # type: ignore[attr-defined]
+    state.screens.append(retry_store.screen)
 
     @app.on_partitions_assigned.connect  # type: ignore[arg-type]
     async def on_assigned(app_: Any, assigned: set[Any], **kwargs: Any) -> None:

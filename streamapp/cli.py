@@ -177,6 +177,10 @@ def worker(
         plan = plan_partitions(settings, facts.partitions)
         notes = list(plan.notes)
         settings = settings.model_copy(update={"topic_partitions": plan.partitions})
+        # Window sizes are fixed for a deployment: refuse others than the stored state's.
+        from streamapp.tables.stored_windows import check_stored_windows
+
+        notices = [n for n in (check_stored_windows(settings),) if n]
         app = None
         if processes is None:
             from streamapp.app import create_app
@@ -213,7 +217,7 @@ def worker(
     from streamapp.logs import startup_block
 
     banner = startup_block(settings, loaded)
-    make_worker(app, settings.log_level, banner).execute_from_commandline()
+    make_worker(app, settings.log_level, banner, notices).execute_from_commandline()
 
 
 @cli.command("gpu-server")

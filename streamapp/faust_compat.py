@@ -34,6 +34,7 @@ __all__ = [
     "partition_lag",
     "producer_buffer_stalled",
     "producer_client",
+    "screen_changelog",
     "set_fetch_max_wait",
     "set_producer_buffer_max",
     "set_read_committed",
@@ -157,6 +158,7 @@ class Worker(faust.Worker):  # type: ignore[misc]
     ``[^Worker]`` in the log, like Faust's."""
 
     banner = ""
+    notices: Sequence[str] = ()
 
     def on_setup_root_logger(self, logger: logging.Logger, level: int) -> None:
         # Called once Faust configured logging, before its first line ("Starting...").
@@ -168,11 +170,15 @@ class Worker(faust.Worker):  # type: ignore[misc]
                 handler.addFilter(QuietChangelogs())
         if self.banner:
             log.info("%s", self.banner)
+        for notice in self.notices:
+            log.warning("%s", notice)
 
 
-def make_worker(app: Any, loglevel: str, banner: str = "") -> faust.Worker:
+def make_worker(app: Any, loglevel: str, banner: str = "", notices: Sequence[str] = ()
+                ) -> faust.Worker:
     """A ``faust.Worker`` for ``app`` without Faust's terminal spinner, whose log starts with
-    ``banner`` (:func:`streamapp.logs.startup_block`) and, above debug, leaves out Faust's
+    ``banner`` (:func:`streamapp.logs.startup_block`) and ``notices`` (one WARNING each: what
+    the checks before the start found) and, above debug, leaves out Faust's
     per-changelog-table INFO lines (:class:`streamapp.logs.QuietChangelogs`).
 
     With a log level of warning or above, Faust's worker keeps a progress spinner that it feeds
@@ -184,6 +190,7 @@ def make_worker(app: Any, loglevel: str, banner: str = "") -> faust.Worker:
     worker = Worker(app, loglevel=loglevel)
     worker.spinner = None
     worker.banner = banner
+    worker.notices = tuple(notices)
     return worker
 
 
@@ -278,6 +285,38 @@ def guard_undecodable_batches(source_topics: Iterable[str]) -> None:
 
     without_stand_ins.streamapp_guarded = True  # type: ignore[attr-defined]
     Collection.apply_changelog_batch = without_stand_ins  # type: ignore[method-assign]
+
+
+def screen_changelog(table: Any, screen: Any) -> None:
+    """Pass every changelog record ``table`` restores through ``screen`` before it is applied.
+
+    ``screen.changelog(topic, partition, offset, key, value)`` returns a
+    :class:`~streamapp.tables.rows.Verdict`: keep the record, replace its value (None: a
+    tombstone) or drop it. Faust 0.15.3 hands restored records to
+    ``table.apply_changelog_batch(batch)`` (recovery and standby reads) with no filter hook;
+    the RocksDB store writes ``event.message.value`` as it is, the memory store
+    ``event.value``, so a replacement sets both. The table must use raw value bytes
+    (``value_type=bytes``): with Faust's JSON codec a value that is not UTF-8 JSON raised in
+    the changelog channel *before* this point, Faust's recovery loop logged "Error in recovery"
+    and never passed the record, and the worker never became ready (issue 18, item 1).
+    Installed on the table instance (recovery looks the method up there).
+    """
+    apply_changelog_batch = table.apply_changelog_batch
+
+    def screened(batch: Iterable[Any]) -> None:
+        kept = []
+        for event in batch:
+            m = event.message
+            verdict = screen.changelog(m.topic, m.partition, m.offset, m.key, m.value)
+            if verdict.action == "drop":
+                continue
+            if verdict.action == "replace":
+                m.value = verdict.value
+                event.value = verdict.value
+            kept.append(event)
+        apply_changelog_batch(kept)
+
+    table.apply_changelog_batch = screened
 
 
 def _skipped(message: Any) -> bool:

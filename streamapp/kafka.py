@@ -38,6 +38,7 @@ __all__ = [
     "partitions_of",
     "probe_metadata",
     "read_partition_range",
+    "read_partition_tails",
     "run_sync",
     "ssl_context",
     "start_or_close",
@@ -186,6 +187,58 @@ async def read_partition_range(
     finally:
         await consumer.stop()
     return out
+
+
+async def read_partition_tails(
+    bootstrap_servers: str,
+    topic: str,
+    last: int,
+    *,
+    security: dict[str, Any] | None = None,
+    timeout_s: float = 10.0,
+) -> dict[int, list[tuple[int, bytes | None, bytes | None]]]:
+    """The last records (about ``last``) of every partition of ``topic``, with one consumer.
+
+    The end of each partition comes from ListOffsets, which the embedded broker answers with
+    the start of the last stored batch + 1 (docs/broker.md): the tail read may then miss the
+    rest of that batch, never more.
+
+    Returns:
+        ``{partition: [(offset, key, value), ...]}`` in offset order; ``{}`` when the topic
+        does not exist (it is not created).
+    """
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap_servers, group_id=None, enable_auto_commit=False,
+        auto_offset_reset="earliest", isolation_level="read_committed", **(security or {}),
+    )
+    await start_or_close(consumer)
+    try:
+        # all topics' metadata, without naming the topic (naming it would auto-create it on
+        # Tansu); the consumer's own view may not hold it yet
+        cluster = await consumer._client.fetch_all_metadata()
+        partitions = cluster.partitions_for_topic(topic)
+        if not partitions:
+            return {}
+        tps = [TopicPartition(topic, p) for p in sorted(partitions)]
+        consumer.assign(tps)
+        begin = await consumer.beginning_offsets(tps)
+        ends = await consumer.end_offsets(tps)
+        out: dict[int, list[tuple[int, bytes | None, bytes | None]]] = {
+            tp.partition: [] for tp in tps}
+        pending = {tp for tp in tps if ends[tp] > begin[tp]}
+        for tp in pending:
+            consumer.seek(tp, max(begin[tp], ends[tp] - last))
+        deadline = time.monotonic() + timeout_s
+        while pending and time.monotonic() < deadline:
+            batch = await consumer.getmany(*pending, timeout_ms=200)
+            for tp, records in batch.items():
+                out[tp.partition] += [(r.offset, r.key, r.value) for r in records]
+            for tp in list(pending):
+                if await consumer.position(tp) >= ends[tp]:
+                    pending.discard(tp)
+        return out
+    finally:
+        await consumer.stop()
 
 
 async def partitions_of(consumer: AIOKafkaConsumer, topic: str) -> set[int]:

@@ -124,6 +124,13 @@ METRIC_FAMILIES: tuple[tuple[str, str, str, str], ...] = (
      "Partition databases reopened after refusing writes, whose kept rows were then written."),
     ("streamapp_table_rows_in_memory", "gauge", "table",
      "Rows kept in memory now because their database refuses writes."),
+    ("streamapp_state_rows_rejected_total", "counter", "table, reason, source",
+     "Table rows that could not be read and were reset (`device_stats`: the device's answer "
+     "carries `state_reset`; `device_windows`: an empty bucket; `retry_counts`: dropped), "
+     "each logged once at ERROR. `reason`: `undecodable` (not UTF-8 JSON), `bad_shape` (JSON "
+     "that is not a row of the table) or `no_key`; `source`: `changelog` (a record restored "
+     "from the changelog, logged with topic, partition and offset) or `store` (the local "
+     "store); docs/tables.md."),
     ("streamapp_gpu_utilization_ratio", "gauge", "gpu, name",
      "GPU utilisation, 0–1, from NVML (Triton: `nv_gpu_utilization`); absent without NVML."),
     ("streamapp_gpu_memory_used_bytes", "gauge", "gpu, name",
@@ -243,6 +250,8 @@ class WorkerGauges:
     partitions: dict[str, int] = field(default_factory=dict)
     #: ``{table: (write errors, reopens, rows in memory)}`` (:class:`TableWriteStatus`).
     table_writes: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    #: ``{(table, reason, source): rows}`` of rows rejected (:mod:`streamapp.tables.rows`).
+    rows_rejected: dict[tuple[str, str, str], int] = field(default_factory=dict)
     #: Delivery counters: ``gap_reads``, ``gap_records``, ``commits``, ``commit_failures``,
     #: ``produce_failures``, ``bisections`` (see :data:`DELIVERY_COUNTERS`).
     delivery: dict[str, int] = field(default_factory=dict)
@@ -321,6 +330,12 @@ class _GaugeCollector(Collector):
             reopens.add_metric([table], n_reopens)
             kept.add_metric([table], n_kept)
         yield from (errors, reopens, kept)
+        rejected = CounterMetricFamily("streamapp_state_rows_rejected", "Table rows that could "
+                                       "not be read and were reset.",
+                                       labels=["table", "reason", "source"])
+        for (table, reason, source), n in sorted(g.rows_rejected.items()):
+            rejected.add_metric([table, reason, source], n)
+        yield rejected
         for key, name, text in DELIVERY_COUNTERS:
             yield CounterMetricFamily(name, text, value=g.delivery.get(key, 0))
         batches = CounterMetricFamily("streamapp_undecodable_batches", "Record batches the "

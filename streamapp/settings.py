@@ -74,13 +74,21 @@ class Settings(BaseSettings):
         "on the workarounds for its wrong end offsets (changelog seals, no table consistency "
         "check; docs/broker.md).",
     )
-    app_id: str = Field("streamapp", description="Faust app id = Kafka consumer group id.")
-    topic_prefix: str = Field("", description="Prefix for every topic name, e.g. 'prod.'.")
+    app_id: str = Field(
+        "streamapp",
+        description="Faust app id = Kafka consumer group id. Fixed for a deployment: it names "
+        "the group's committed offsets and the tables' changelogs (docs/settings.md).",
+    )
+    topic_prefix: str = Field(
+        "", description="Prefix for every topic name, e.g. 'prod.'. Fixed for a deployment "
+        "(other topics; docs/settings.md).",
+    )
     topic_partitions: int = Field(
         DEFAULT_TOPIC_PARTITIONS, ge=1,
         description="Partitions of the request, result, DLQ and retry topics when the worker "
         "creates them (and of the tables' changelogs); the most workers that can share the load "
-        "(16: room for `worker --processes 12` on one host, docs/scaling.md).",
+        "(16: room for `worker --processes 12` on one host, docs/scaling.md). Fixed for a "
+        "deployment: the tables are partitioned like the request topic (docs/settings.md).",
     )
     topic_replication_factor: int = Field(
         1, ge=1,
@@ -323,19 +331,31 @@ class Settings(BaseSettings):
         "kept at least four times as long as taking it lasted.",
     )
     tumbling_window_s: float = Field(
-        10.0, gt=0, description="Size of the per-device tumbling windows (s)."
+        10.0, gt=0,
+        description="Size of the per-device tumbling windows (s). Fixed for a deployment: the "
+        "stored window buckets have this size; a worker whose stored state was written with "
+        "another refuses to start (see accept_window_change).",
     )
     hopping_window_s: float = Field(
-        60.0, gt=0, description="Size of the per-device hopping windows (s)."
+        60.0, gt=0,
+        description="Size of the per-device hopping windows (s); may change (a hopping window "
+        "is summed from hopping_step_s buckets when it is read).",
     )
     hopping_step_s: float = Field(
         10.0, gt=0,
         description="Hopping windows start every this many seconds; hopping_window_s must be a "
-        "multiple of it.",
+        "multiple of it. Fixed for a deployment, like tumbling_window_s.",
     )
     window_expires_s: float = Field(
         3600.0, gt=0,
         description="Windows older than this (s) are deleted from the tables and no longer served.",
+    )
+    accept_window_change: bool = Field(
+        False,
+        description="Start although the stored device state was written with another "
+        "tumbling_window_s or hopping_step_s (logged as a WARNING): totals are kept, windows "
+        "start empty at the new sizes, and those of the old sizes are no longer served. Unset, "
+        "such a worker refuses to start (exit 1) with the stored and configured values.",
     )
     latency_ewma_alpha: float = Field(
         0.1, gt=0, le=1,

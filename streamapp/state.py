@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import faust
@@ -22,6 +22,7 @@ from streamapp.record_batches import undecodable_counts
 from streamapp.settings import Settings
 from streamapp.tables import DeviceStateObserver, DeviceStateReader, WindowPlan
 from streamapp.tables.faust_tables import FaustDeviceTables, define_tables
+from streamapp.tables.rows import RowScreen
 
 __all__ = ["WorkerState", "advertised_host", "build_state"]
 
@@ -51,6 +52,8 @@ class WorkerState:
     reader: DeviceStateReader
     metrics: Metrics
     partition_check: PartitionCheck
+    #: Row readers of every restored table (device tables, retry_counts): their rejections.
+    screens: list[RowScreen] = field(default_factory=list)
 
     @property
     def worker(self) -> str:
@@ -132,6 +135,10 @@ class WorkerState:
             for name, status in self.tables.write_status().items()
         }
         gauges.state_degraded = check.degraded or bool(self.degraded())
+        gauges.rows_rejected = {
+            (screen.table, reason, source): n
+            for screen in self.screens for (reason, source), n in screen.rejected.items()
+        }
         delivery = self.runtime.delivery.stats
         produced = pipeline.stats if pipeline is not None else None
         gauges.delivery = {
@@ -192,6 +199,7 @@ def build_state(
         app=app, settings=settings, runtime=runtime, tables=tables, plan=plan,
         observer=observer, reader=DeviceStateReader(tables, plan), metrics=metrics,
         partition_check=check or PartitionCheck(app, settings),
+        screens=list(tables.screens.values()),
     )
     metrics.add_refresher(state.refresh_gauges)
     return state

@@ -13,16 +13,22 @@ Two kinds of rows, both JSON objects:
      "latency_ewma_ms": {"e2e": 12.1, "queue": 3.0, "infer": 0.9},
      "clock_skew": {"count": 1, "last_ms": 82800012.5, "last_ts": 1796000000.1},
      "first_seen": 1796000000.0, "last_seen": 1796000000.2,
-     "_buckets": {"10000": [1796000000000, ...]}}
+     "_buckets": {"10000": [1796000000000, ...]},
+     "_windows": {"tumbling_ms": 10000, "hopping_ms": 60000, "step_ms": 10000}}
 
   ``total`` counts finished requests (results + dead letters; a retry is not finished).
-  ``_buckets`` indexes the device's window buckets so that expired ones can be deleted; it is
-  internal and not served.
+  ``state_reset`` (``{"reason", "detail", "at", "source"}``) is there only when the device's
+  stored row could not be read and its counts started afresh at ``at``
+  (:mod:`streamapp.tables.rows`); every later row keeps it. ``_buckets`` indexes the
+  device's window buckets so that expired ones can be deleted, ``_windows`` the window sizes
+  (ms) they were written with; both are internal and not served.
 
 * a **bucket row** per device, bucket size and bucket start (table ``device_windows``)::
 
     {"count": 12, "results": 11, "dead_letters": 1, "retries": 0,
      "e2e_sum_ms": 130.2, "e2e_n": 11, "e2e_max_ms": 20.1, "labels": {"3": 6, "8": 5}}
+
+  (plus ``state_reset`` when the stored bucket could not be read and was started empty).
 
 The EWMA of a latency ``x`` is ``ewma = alpha * x + (1 - alpha) * ewma``, seeded with the first
 value, applied in the order outcomes were produced. Latencies are never negative: the pipeline
@@ -142,11 +148,14 @@ def _usable(ms: float | None) -> bool:
 
 
 def merge_bucket(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> dict[str, Any]:
-    """The sum of two bucket rows (counts and sums add, maxima take the larger)."""
+    """The sum of two bucket rows (counts and sums add, maxima take the larger; a
+    ``state_reset`` note of either is kept)."""
     out = _empty_bucket()
     for row in (old, new):
         if not row:
             continue
+        if row.get("state_reset"):
+            out["state_reset"] = row["state_reset"]
         for name in ("count", "results", "dead_letters", "retries", "e2e_n"):
             out[name] += int(row.get(name) or 0)
         out["e2e_sum_ms"] += float(row.get("e2e_sum_ms") or 0.0)
@@ -231,7 +240,13 @@ def update_stats(
         "first_seen": old.get("first_seen", delta.first_ts),
         "last_seen": delta.last_ts if delta.last_ts is not None else old.get("last_seen"),
         "_buckets": {size: starts for size, starts in index.items() if starts},
+        # what the buckets were written with: a worker started with other window sizes
+        # refuses to (streamapp.tables.stored_windows)
+        "_windows": {"tumbling_ms": plan.tumbling_ms, "hopping_ms": plan.hopping_ms,
+                     "step_ms": plan.step_ms},
     }
+    if old.get("state_reset"):
+        new["state_reset"] = old["state_reset"]
     return new, expired
 
 
@@ -243,9 +258,18 @@ def _clock_skew(old: Mapping[str, Any] | None, delta: DeviceDelta) -> dict[str, 
     return out
 
 
+#: Fields of a stats row that ``GET /devices/{id}`` serves, in this order (``state_reset`` only
+#: when present). Other keys a stored row may hold (internal ``_buckets``, or fields no worker of
+#: this version writes) are not served.
+PUBLIC_STATS_FIELDS = (
+    "device_id", "total", "counts", "dead_letters_by_reason", "retries_by_reason", "last_seq",
+    "last_result", "latency_ewma_ms", "clock_skew", "first_seen", "last_seen", "state_reset",
+)
+
+
 def public_stats(row: Mapping[str, Any]) -> dict[str, Any]:
-    """A stats row as served by ``GET /devices/{id}`` (internal fields removed)."""
-    return {k: v for k, v in row.items() if not k.startswith("_")}
+    """A stats row as served by ``GET /devices/{id}``: the :data:`PUBLIC_STATS_FIELDS` it has."""
+    return {k: row[k] for k in PUBLIC_STATS_FIELDS if k in row}
 
 
 def render_window(
@@ -258,7 +282,7 @@ def render_window(
             total = merge_bucket(total, bucket)
     n = total.pop("e2e_n")
     e2e_sum = total.pop("e2e_sum_ms")
-    return {
+    out = {
         "start": window.start_ms / 1000.0,
         "end": window.end_ms / 1000.0,
         **{k: total[k] for k in ("count", "results", "dead_letters", "retries")},
@@ -266,3 +290,6 @@ def render_window(
         "e2e_max_ms": total["e2e_max_ms"],
         "labels": dict(sorted(total["labels"].items())),
     }
+    if total.get("state_reset"):
+        out["state_reset"] = total["state_reset"]
+    return out

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -39,8 +40,9 @@ from typing import Any
 import faust
 from aiokafka.partitioner import DefaultPartitioner
 
-from streamapp.faust_compat import StandInEvent, event_context
+from streamapp.faust_compat import StandInEvent, event_context, screen_changelog
 from streamapp.settings import Settings
+from streamapp.tables.rows import RowScreen
 from streamapp.tables.store_guard import StoreWriteGuard, TableWriteStatus
 
 __all__ = ["SEAL_KEY", "ChangelogSealer", "FaustDeviceTables", "define_tables"]
@@ -187,6 +189,14 @@ class FaustDeviceTables:
         self.partitions = partitions
         self.sealer = ChangelogSealer(app, [stats, windows], enabled=seal_changelogs)
         self.guards: list[StoreWriteGuard] = []
+        #: Row readers of the two tables (:mod:`streamapp.tables.rows`): a restored record or
+        #: a stored row that cannot be read is logged, counted and reset, never raised.
+        self.screens = {
+            STATS_TABLE: RowScreen(STATS_TABLE, "stats"),
+            WINDOWS_TABLE: RowScreen(WINDOWS_TABLE, "bucket"),
+        }
+        screen_changelog(stats, self.screens[STATS_TABLE])
+        screen_changelog(windows, self.screens[WINDOWS_TABLE])
 
         @app.on_partitions_revoked.connect  # type: ignore[arg-type]
         async def _seal_on_revoke(app_: Any, revoked: Any, **kwargs: Any) -> None:
@@ -230,26 +240,26 @@ class FaustDeviceTables:
         await self.sealer.flushed()
 
     def get_stats(self, device_key: bytes) -> dict[str, Any] | None:
-        row: dict[str, Any] | None = self.stats.get(device_key)
-        return row
+        return self.screens[STATS_TABLE].read(device_key, self.stats.get(device_key))
 
     def set_stats(self, device_key: bytes, row: dict[str, Any]) -> None:
-        self.stats[device_key] = row
+        self.stats[device_key] = _encode(row)
 
     def get_bucket(self, key: bytes) -> dict[str, Any] | None:
-        row: dict[str, Any] | None = self.windows.get(key)
-        return row
+        return self.screens[WINDOWS_TABLE].read(key, self.windows.get(key))
 
     def set_bucket(self, key: bytes, row: dict[str, Any]) -> None:
-        self.windows[key] = row
+        self.windows[key] = _encode(row)
 
     def delete_bucket(self, key: bytes) -> None:
         if key in self.windows:
             del self.windows[key]
 
     def iter_stats(self) -> Iterator[tuple[bytes, dict[str, Any]]]:
-        for key, row in self.stats.items():
-            if key != SEAL_KEY and row is not None:
+        screen = self.screens[STATS_TABLE]
+        for key, raw in self.stats.items():
+            row = screen.read(key, raw) if key != SEAL_KEY else None
+            if row is not None:
                 yield key, row
 
 
@@ -261,17 +271,25 @@ def _guard(table: Any) -> StoreWriteGuard:
     return StoreWriteGuard(store, table.name)
 
 
+def _encode(row: dict[str, Any]) -> bytes:
+    return json.dumps(row, separators=(",", ":")).encode()
+
+
 def define_tables(app: faust.App, settings: Settings) -> FaustDeviceTables:
     """Define ``device_stats`` and ``device_windows`` on ``app`` (before the worker starts).
 
     Both use the RocksDB store through rocksdict (faust-streaming 0.15.3 picks rocksdict when
-    ``options={"driver": "rocksdict"}``), raw byte keys and JSON values, and as many partitions
-    as the request topic.
+    ``options={"driver": "rocksdict"}``), raw byte keys, and as many partitions as the request
+    topic. Values are JSON objects that :class:`FaustDeviceTables` encodes and decodes itself
+    (Faust's raw serializer): Faust's JSON codec raised inside its changelog recovery on a
+    value that was not UTF-8 JSON and stopped every table of the worker
+    (:mod:`streamapp.tables.rows`). The bytes are the same JSON as before, so existing data
+    dirs and changelogs read as they are.
     """
     common: dict[str, Any] = {
         "default": None,
         "key_type": bytes,  # → Faust's "raw" key serializer: the record key's exact bytes
-        "value_type": None,  # → JSON values
+        "value_type": bytes,  # → raw value bytes: JSON decoded by RowScreen, never raising
         "partitions": settings.topic_partitions,
         "extra_topic_configs": settings.changelog_topic_configs,
     }

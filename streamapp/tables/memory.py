@@ -7,6 +7,8 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
+from streamapp.tables.rows import RowScreen
+
 __all__ = ["MemoryDeviceTables"]
 
 
@@ -16,7 +18,9 @@ class MemoryDeviceTables:
     Rows are stored JSON-encoded, as Faust stores them, so a test catches values that would not
     survive the changelog. ``writes`` and ``deletes`` count calls; ``written_by`` records the
     device key given to :meth:`writing` for every write, to check rows are written in their own
-    device's context.
+    device's context. Rows are read through the same :class:`~streamapp.tables.rows.RowScreen`
+    as the Faust tables (``screens``): bytes put in ``stats``/``buckets`` that are not a row
+    come back as the reset row.
     """
 
     def __init__(self) -> None:
@@ -27,6 +31,8 @@ class MemoryDeviceTables:
         self.written_by: list[tuple[bytes | None, bytes]] = []
         self.flushes = 0
         self._current: bytes | None = None
+        self.screens = {"device_stats": RowScreen("device_stats", "stats"),
+                        "device_windows": RowScreen("device_windows", "bucket")}
 
     async def flushed(self) -> None:
         self.flushes += 1
@@ -40,16 +46,14 @@ class MemoryDeviceTables:
             self._current = previous
 
     def get_stats(self, device_key: bytes) -> dict[str, Any] | None:
-        raw = self.stats.get(device_key)
-        return None if raw is None else json.loads(raw)
+        return self.screens["device_stats"].read(device_key, self.stats.get(device_key))
 
     def set_stats(self, device_key: bytes, row: dict[str, Any]) -> None:
         self._write(device_key)
         self.stats[device_key] = json.dumps(row).encode()
 
     def get_bucket(self, key: bytes) -> dict[str, Any] | None:
-        raw = self.buckets.get(key)
-        return None if raw is None else json.loads(raw)
+        return self.screens["device_windows"].read(key, self.buckets.get(key))
 
     def set_bucket(self, key: bytes, row: dict[str, Any]) -> None:
         self._write(key)
@@ -61,7 +65,9 @@ class MemoryDeviceTables:
 
     def iter_stats(self) -> Iterator[tuple[bytes, dict[str, Any]]]:
         for key, raw in list(self.stats.items()):
-            yield key, json.loads(raw)
+            row = self.screens["device_stats"].read(key, raw)
+            if row is not None:
+                yield key, row
 
     def _write(self, key: bytes) -> None:
         self.writes += 1

@@ -4,6 +4,8 @@ and the changelog sealer (with a fake producer)."""
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,27 +42,35 @@ def _partitions_with(table: Any, key: bytes) -> list[int]:
     return sorted(p for p, db in table.data._dbs.items() if db.get(key) is not None)
 
 
-def test_tables_use_rocksdb_with_raw_keys_and_json_values(tables: Any) -> None:
+#: A stats row (what update_stats writes, reduced to the fields a row needs).
+ROW = {"device_id": "cam1", "total": 1, "counts": {"result": 1, "dead_letter": 0, "retry": 0}}
+
+
+def test_tables_use_rocksdb_with_raw_keys_and_raw_json_values(tables: Any) -> None:
     for table in (tables.stats, tables.windows):
         assert type(table.data).__module__ == "faust.stores.rocksdb"
         assert table.data.use_rocksdict
-        assert table.key_serializer == "raw" and table.value_serializer == "json"
+        # raw values: Faust's JSON codec raised inside recovery (issue 18); we decode them
+        assert table.key_serializer == "raw" and table.value_serializer == "raw"
         assert table.partitions == 4
+    with tables.writing(b"cam1", Event(tables.request_topic, 0, b"cam1")):
+        tables.set_stats(b"cam1", ROW)
+    assert json.loads(tables.stats[b"cam1"]) == ROW  # the same JSON bytes as before
 
 
 def test_a_request_topic_event_decides_the_partition_of_the_write(tables: Any) -> None:
     event = Event(tables.request_topic, 2, b"cam1")
     with tables.writing(b"cam1", event):
-        tables.set_stats(b"cam1", {"total": 1})
-        assert tables.get_stats(b"cam1") == {"total": 1}
+        tables.set_stats(b"cam1", ROW)
+        assert tables.get_stats(b"cam1") == ROW
     assert _partitions_with(tables.stats, b"cam1") == [2]
-    assert tables.get_stats(b"cam1") == {"total": 1}  # read outside any event, as views do
+    assert tables.get_stats(b"cam1") == ROW  # read outside any event, as views do
 
 
 def test_without_a_request_topic_event_the_key_hash_decides(tables: Any) -> None:
     retry_event = Event("inference-retry", 0, b"cam7-request-id")
     with tables.writing(b"cam7", retry_event):
-        tables.set_stats(b"cam7", {"total": 2})
+        tables.set_stats(b"cam7", ROW)
     expected = DefaultPartitioner()(b"cam7", [0, 1, 2, 3], [0, 1, 2, 3])
     assert tables.partition_of(b"cam7") == expected
     assert _partitions_with(tables.stats, b"cam7") == [expected]
@@ -70,8 +80,8 @@ def test_bucket_rows_can_be_deleted_and_seal_keys_are_not_devices(tables: Any) -
     event = Event(tables.request_topic, 1, b"cam2")
     with tables.writing(b"cam2", event):
         tables.set_bucket(b"cam2\x00k", {"count": 1})
-        tables.set_stats(b"cam2", {"total": 1})
-        tables.stats[SEAL_KEY] = {"not": "a device"}
+        tables.set_stats(b"cam2", ROW)
+        tables.stats[SEAL_KEY] = b'{"not": "a device"}'
         tables.delete_bucket(b"cam2\x00k")
         tables.delete_bucket(b"cam2\x00missing")
     assert tables.get_bucket(b"cam2\x00k") is None
@@ -79,6 +89,86 @@ def test_bucket_rows_can_be_deleted_and_seal_keys_are_not_devices(tables: Any) -
     tables.app.assignor.assigned_actives = lambda: {  # ...until it is
         faust.types.TP(tables.stats.changelog_topic.get_topic_name(), 1)}
     assert [k for k, _ in tables.iter_stats()] == [b"cam2"]
+
+
+# -- restoring changelog records that are not rows (issue 18, item 1) ---------------------------
+
+
+class ChangelogMessage:
+    def __init__(self, topic: str, partition: int, offset: int, key: bytes | None,
+                 value: bytes | None) -> None:
+        self.topic, self.partition, self.offset = topic, partition, offset
+        self.key, self.value = key, value
+        self.tp = faust.types.TP(topic, partition)
+
+
+class ChangelogEvent:
+    def __init__(self, message: ChangelogMessage) -> None:
+        self.message = message
+        self.key, self.value = message.key, message.value
+
+
+def _restore(table: Any, records: list[tuple[int, bytes | None, bytes | None]]) -> None:
+    """Apply ``(offset, key, value)`` records of partition 2 as Faust's recovery does."""
+    topic = table.changelog_topic.get_topic_name()
+    table.apply_changelog_batch([ChangelogEvent(ChangelogMessage(topic, 2, offset, key, value))
+                                 for offset, key, value in records])
+
+
+def test_a_restored_record_that_is_not_a_row_resets_the_device_once_with_its_offset(
+    tables: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    garbage = bytes.fromhex("fffe0067617262616765")  # the issue's record
+    good = json.dumps({**ROW, "device_id": "cg01", "total": 5,
+                       "counts": {"result": 5, "dead_letter": 0, "retry": 0}}).encode()
+    with caplog.at_level(logging.ERROR, logger="streamapp.tables.rows"):
+        _restore(tables.stats, [(7, b"cg00", good), (8, b"cg01", good), (9, b"cg00", garbage),
+                                (10, None, good)])
+    topic = tables.stats.changelog_topic.get_topic_name()
+    assert tables.get_stats(b"cg01")["total"] == 5  # the other device is untouched
+    reset = tables.get_stats(b"cg00")
+    assert (reset["total"], reset["counts"]) == (0, {"result": 0, "dead_letter": 0, "retry": 0})
+    assert reset["state_reset"]["reason"] == "undecodable"
+    assert reset["state_reset"]["source"] == {"topic": topic, "partition": 2, "offset": 9}
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 2, errors  # the bad row, and the record without a key
+    assert f"{topic}[2]@9, key 'cg00', cannot be read" in errors[0]
+    assert "'utf-8' codec can't decode byte 0xff" in errors[0]
+    assert f"{topic}[2]@10 has no key" in errors[1]
+    assert tables.screens["device_stats"].rejected == {
+        ("undecodable", "changelog"): 1, ("no_key", "changelog"): 1}
+    assert tables.stats.data.persisted_offset(faust.types.TP(topic, 2)) == 9
+
+
+def test_a_wrong_shape_bucket_is_restored_as_an_empty_bucket_and_tombstones_still_delete(
+    tables: Any,
+) -> None:
+    bucket = {"count": 3, "results": 3, "labels": {"1": 3}}
+    _restore(tables.windows, [(1, b"cam\x00a", json.dumps(bucket).encode()),
+                              (2, b"cam\x00b", json.dumps(bucket).encode()),
+                              (3, b"cam\x00b", None),
+                              (4, b"cam\x00c", b'{"count": "many"}')])
+    assert tables.get_bucket(b"cam\x00a") == bucket
+    assert tables.get_bucket(b"cam\x00b") is None
+    empty = tables.get_bucket(b"cam\x00c")
+    assert empty["count"] == 0 and empty["state_reset"]["reason"] == "bad_shape"
+    assert "count is" in empty["state_reset"]["detail"]
+
+
+def test_a_wrong_shape_row_in_the_local_store_is_served_and_updated_as_a_reset(
+    tables: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A row written into RocksDB by something else (or by a version before the checks):
+    queries answer the reset row instead of a 500, logged once, however often it is read."""
+    with tables.writing(b"cam3", Event(tables.request_topic, 3, b"cam3")):
+        tables.stats[b"cam3"] = b'[1, 2]'
+    with caplog.at_level(logging.ERROR, logger="streamapp.tables.rows"):
+        rows = [tables.get_stats(b"cam3") for _ in range(3)]
+    assert [r["total"] for r in rows] == [0, 0, 0]
+    assert rows[0]["state_reset"]["source"] == {"store": "device_stats"}
+    assert "a JSON list is not a stats row" in rows[0]["state_reset"]["detail"]
+    assert len([r for r in caplog.records if r.levelno == logging.ERROR]) == 1
+    assert tables.screens["device_stats"].rejected == {("bad_shape", "store"): 1}
 
 
 # -- the sealer ---------------------------------------------------------------------------------

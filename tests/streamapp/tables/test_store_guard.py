@@ -50,8 +50,18 @@ def tables(tmp_path: Path, disk: Path, loop: asyncio.AbstractEventLoop) -> Any:
 def _count(tables: Any, device: bytes, partition: int, n: int) -> None:
     """One flush of a device: read its row, add ``n`` to its total, write it back."""
     with tables.writing(device, Event(tables.request_topic, partition, device)):
-        row = tables.get_stats(device) or {"total": 0}
-        tables.set_stats(device, {"total": row["total"] + n})
+        row = tables.get_stats(device) or _row(0)
+        tables.set_stats(device, _row(row["total"] + n))
+
+
+def _row(total: int) -> dict[str, Any]:
+    """The smallest stats row the tables serve (``total`` and ``counts``)."""
+    return {"total": total, "counts": {"result": total}}
+
+
+def _stored(total: int) -> bytes:
+    """``_row(total)`` as the tables store it."""
+    return b'{"total":%d,"counts":{"result":%d}}' % (total, total)
 
 
 def _on_disk(tables: Any, device: bytes, partition: int) -> bytes | None:
@@ -63,16 +73,16 @@ def test_rows_refused_by_a_full_disk_are_served_and_written_when_space_returns(
     tables: Any, disk: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     _count(tables, b"cam1", 2, 10)
-    assert _on_disk(tables, b"cam1", 2) == b'{"total":10}'
+    assert _on_disk(tables, b"cam1", 2) == _stored(10)
     disk.touch()  # the disk fills up
     with caplog.at_level(logging.ERROR, logger="streamapp.tables.store_guard"):
         for _ in range(10):
             _count(tables, b"cam1", 2, 1)
-    assert tables.get_stats(b"cam1") == {"total": 20}  # served from memory meanwhile
+    assert tables.get_stats(b"cam1") == _row(20)  # served from memory meanwhile
     topic = tables.stats.changelog_topic.get_topic_name()
     tables.app.assignor.assigned_actives = lambda: {TP(topic, 2)}
-    assert dict(tables.iter_stats())[b"cam1"] == {"total": 20}  # what GET /devices lists
-    assert _on_disk(tables, b"cam1", 2) == b'{"total":10}'
+    assert dict(tables.iter_stats())[b"cam1"] == _row(20)  # what GET /devices lists
+    assert _on_disk(tables, b"cam1", 2) == _stored(10)
     status = tables.write_status()["device_stats"]
     assert status.degraded and status.partitions == (2,) and status.rows_in_memory == 1
     assert status.write_errors == 1  # later writes join the kept rows without trying
@@ -88,7 +98,7 @@ def test_rows_refused_by_a_full_disk_are_served_and_written_when_space_returns(
     guard = tables.guards[0]
     guard.retry_interval_s = 0.0  # ...until the guard reopens it, at the next write
     _count(tables, b"cam1", 2, 1)
-    assert _on_disk(tables, b"cam1", 2) == b'{"total":21}'
+    assert _on_disk(tables, b"cam1", 2) == _stored(21)
     assert tables.stats.data.persisted_offset(TP("x", 2)) == 41
     status = tables.write_status()["device_stats"]
     assert not status.degraded and status.rows_in_memory == 0 and status.reopens == 1
@@ -102,7 +112,7 @@ def test_a_worker_idle_after_the_disk_recovers_writes_the_rows_from_a_timer(
     assert _on_disk(tables, b"cam3", 1) is None
     disk.unlink()
     assert tables.guards[1].recover() and tables.guards[0].recover()  # what the timer calls
-    assert _on_disk(tables, b"cam3", 1) == b'{"total":5}'
+    assert _on_disk(tables, b"cam3", 1) == _stored(5)
 
 
 def test_a_disk_still_full_keeps_the_rows_and_does_not_log_again_within_the_interval(
@@ -115,7 +125,7 @@ def test_a_disk_still_full_keeps_the_rows_and_does_not_log_again_within_the_inte
         assert not guard.recover()  # reopened, still full
         guard.retry_interval_s = 0.0
         _count(tables, b"cam4", 0, 1)
-    assert tables.get_stats(b"cam4") == {"total": 2}
+    assert tables.get_stats(b"cam4") == _row(2)
     assert guard.status.degraded and guard.status.reopens == 0
     assert len([r for r in caplog.records if r.levelno == logging.ERROR]) == 1
 
