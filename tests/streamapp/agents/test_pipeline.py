@@ -842,11 +842,12 @@ def _long_id_request(pixels: np.ndarray, *, request_id: str, device: str = "dev-
         # a valid request whose result (it repeats the request_id) is over the producer limit
         ("long-request-id", lambda px: (
             b"dev-a", _long_id_request(px, request_id="r" * 999_600), "r" * 999_600, "dev-a")),
-        # a valid request of a 600,000-character device (the key matches): result 1.2 MB
+        # a 600,000-character device id (the key matches): dead-lettered as bad_device_id,
+        # and that letter, holding key and value, is 1.4 MB (its ids already cut to 256)
         ("long-device-id", lambda px: (
             b"d" * 600_000, json.dumps({**json.loads(request_value(px, "d" * 600_000, 0)),
                                         "request_id": "long-dev"}).encode(),
-            "long-dev", "d" * 600_000)),
+            "long-dev", "d" * 256)),
         # an 800,000-byte key with value [1]: its own dead letter would be 1.87 MB
         ("huge-key-bad-value", lambda px: (b"k" * 800_000, b"[1]", None, None)),
     ],

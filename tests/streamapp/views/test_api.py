@@ -7,15 +7,19 @@ pass validation get 503 ``not_ready`` (no worker owns any partition yet).
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from streamapp.app import create_app
+from streamapp.codecs import decode_request
+from streamapp.exceptions import InvalidRequestError
 from streamapp.settings import Settings
 from streamapp.views import ENDPOINTS, api_reference
 
@@ -77,6 +81,36 @@ async def test_errors_are_json_with_a_code_and_a_message(
     body = await response.json()
     assert (response.status, body["error"]) == (status, code), body
     assert body["status"] == status and body["message"]
+
+
+def _accepted_at_intake(device_id: str) -> bool:
+    body = {"request_id": "r", "device_id": device_id, "seq": 0, "ts": 1_700_000_000.0,
+            "model": "digits", "tensor": {"dtype": "uint8", "shape": [0], "data": ""}}
+    try:
+        decode_request(json.dumps(body).encode(), now=1_700_000_000.0)
+    except InvalidRequestError as exc:
+        assert exc.reason == "bad_device_id", exc
+        return False
+    return True
+
+
+DEVICE_IDS = ["cam17", "tab\tdev", "nul\x00dev", "rtl-\u202e-abc", "d" * 256, "d" * 257,
+              "space dev", "kamera-äö", "📷-cam", "\ufffd-dev", "a/b", "%41",
+              "new\nline", "zw\u200bj", "\ud800-surrogate", "nbsp\u00a0dev"]
+
+
+@pytest.mark.parametrize("device_id", DEVICE_IDS, ids=[ascii(d)[:20] for d in DEVICE_IDS])
+async def test_a_device_id_is_queryable_exactly_when_a_request_may_carry_it(
+    client: TestClient[Any, Any], device_id: str
+) -> None:
+    # one rule at intake and in the views: a device the worker records can be asked for
+    response = await client.get("/devices/" + quote(device_id.encode("utf-8", "surrogatepass"),
+                                                     safe=""))
+    body = await response.json()
+    accepted = _accepted_at_intake(device_id)
+
+    assert (response.status, body["error"]) == ((503, "not_ready") if accepted
+                                                else (400, "bad_device_id")), body
 
 
 async def test_a_device_listing_when_nothing_is_owned(client: TestClient[Any, Any]) -> None:
