@@ -96,7 +96,8 @@ METRIC_FAMILIES: tuple[tuple[str, str, str, str], ...] = (
     ("streamapp_assigned_partitions", "gauge", "topic",
      "Partitions of the request topic assigned to this worker."),
     ("streamapp_ready", "gauge", "",
-     "1 when `/ready` answers 200 (partitions assigned, engines warmed up, tables recovered)."),
+     "1 when `/ready` answers 200 (partitions assigned, engines warmed up, tables recovered, "
+     "the broker answers a Kafka request, progress while records wait)."),
     ("streamapp_engine_info", "info", "model, backend, engine, device, precision, "
      "max_batch_size", "The engine serving each model (value 1)."),
     ("streamapp_table_flushes_total", "counter", "",

@@ -28,8 +28,11 @@ ENDPOINTS: tuple[tuple[str, str, str, str], ...] = (
     ("GET", "/health", "",
      "Liveness: 200 `{\"status\": \"ok\"}` while the event loop answers."),
     ("GET", "/ready", "",
-     "200 when partitions are assigned, every engine is loaded and warmed up and the tables are "
-     "recovered; 503 otherwise. Body: `ready`, `checks`, `assigned`, `engines`."),
+     "Readiness: 200 when partitions are assigned, every engine is loaded and warmed up, the "
+     "tables are recovered, a bootstrap server answers a Kafka request within "
+     "`ready_probe_timeout_ms` and, while records wait, the worker made progress within "
+     "`ready_stall_s`; 503 otherwise. Body: `ready`, `checks` (name → bool), `problems` "
+     "(failing check → why), `assigned`, `engines`."),
     ("GET", "/engines", "",
      "Per model: backend, engine tag (version + model/plan hash), device, precision, "
      "max batch size."),

@@ -7,6 +7,7 @@ pass validation get 503 ``not_ready`` (no worker owns any partition yet).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from collections.abc import AsyncIterator
@@ -20,6 +21,8 @@ from aiohttp.test_utils import TestClient, TestServer
 from streamapp.app import create_app
 from streamapp.codecs import decode_request
 from streamapp.exceptions import InvalidRequestError
+from streamapp.faust_compat import PartitionMarks
+from streamapp.readiness import ProgressWatch
 from streamapp.settings import Settings
 from streamapp.views import ENDPOINTS, api_reference
 
@@ -125,6 +128,61 @@ async def test_metrics_are_prometheus_text(client: TestClient[Any, Any]) -> None
     assert response.status == 200 and response.content_type == "text/plain"
     text = await response.text()
     assert re.search(r"^streamapp_ready 0\.0$", text, re.M)
+
+
+async def test_ready_is_503_while_the_broker_accepts_connections_but_does_not_answer(
+    tmp_path: Path,
+) -> None:
+    async def frozen(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.read()  # what a broker stopped with SIGSTOP does: the kernel accepts
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(frozen, "127.0.0.1", 0)
+    address = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    app = create_app(Settings(app_id="views-test", data_dir=tmp_path, backend="onnxruntime",
+                              broker=f"kafka://{address}", ready_probe_timeout_ms=300))
+    try:
+        async with TestClient(TestServer(app.web.web_app)) as c:
+            response = await c.get("/ready")
+            body = await response.json()
+            health = await c.get("/health")
+    finally:
+        server.close()
+        await server.wait_closed()
+
+    assert response.status == 503 and body["ready"] is False
+    assert body["checks"]["broker_responsive"] is False
+    assert body["problems"]["broker_responsive"] == (
+        f"{address} did not answer a Kafka ApiVersions request within 0.3 s")
+    assert health.status == 200  # liveness: restarting the worker would not wake the broker
+
+
+async def test_ready_reports_no_progress_while_records_wait(
+    client: TestClient[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state = client.faust_app.streamapp_state  # type: ignore[attr-defined]
+    now = [0.0]
+    state.progress = ProgressWatch(stall_s=15.0, clock=lambda: now[0])
+    stuck = PartitionMarks(highwater={("inference-request", 0): 1_200},
+                           position={("inference-request", 0): 200},
+                           assigned={"inference-request": 1})
+
+    async def marks() -> PartitionMarks:
+        return stuck
+
+    monkeypatch.setattr(state, "marks", marks)
+    checks = []
+    for _ in range(3):
+        body = await (await client.get("/ready")).json()
+        checks.append(body["checks"]["making_progress"])
+        now[0] += 10.0
+
+    assert checks == [True, True, False]  # 20 s without a record read, a commit or a fetch
+    assert body["problems"]["making_progress"] == (
+        "1000 records wait, but for 20 s no record was read, no offset committed and no fetch "
+        "moved (ready_stall_s=15)")
 
 
 async def test_an_unexpected_failure_is_a_json_500(client: TestClient[Any, Any]) -> None:
