@@ -180,6 +180,7 @@ class WorkerState:
             or key[0].startswith(f"{self.settings.app_id}-")
         }
         gauges.lag, gauges.highwater, gauges.assigned = marks.lag, marks.highwater, marks.assigned
+        gauges.backlog = self.backlog(marks)
 
     @property
     def observers(self) -> list[PipelineObserver]:
