@@ -12,6 +12,7 @@ import base64
 import binascii
 import json
 import math
+import sys
 import time
 from typing import Any, Literal
 
@@ -192,7 +193,7 @@ def decode_request(
             body = msgpack.unpackb(value, raw=False, strict_map_key=True)
         except Exception as exc:  # msgpack raises several unrelated types
             raise InvalidRequestError(
-                "invalid_msgpack", f"cannot decode msgpack: {type(exc).__name__}: {exc}"
+                "invalid_msgpack", f"cannot decode msgpack: {_msgpack_problem(exc)}"
             ) from exc
     else:
         try:
@@ -201,7 +202,9 @@ def decode_request(
         # RecursionError: the C scanner's answer to deeply nested arrays/objects ("[[[[...").
         # ValueError: also an integer literal longer than sys.get_int_max_str_digits() (4300).
         except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-            raise InvalidRequestError("invalid_json", f"cannot decode JSON: {exc}") from exc
+            raise InvalidRequestError(
+                "invalid_json", f"cannot decode JSON: {_json_problem(exc)}"
+            ) from exc
     if not isinstance(body, dict):
         raise InvalidRequestError(
             "wrong_type", f"the value is a {type(body).__name__}, expected an object with fields"
@@ -211,6 +214,41 @@ def decode_request(
     except InvalidRequestError as exc:
         exc.fields = readable_fields(body)
         raise
+
+
+def _msgpack_problem(exc: Exception) -> str:
+    """What msgpack's exception means, in words (several of them have no message at all)."""
+    text = str(exc)
+    if isinstance(exc, msgpack.StackError):
+        return "arrays or maps are nested too deeply"
+    if isinstance(exc, msgpack.FormatError):
+        return "it holds a byte that starts no msgpack value (such as 0xc1)"
+    if isinstance(exc, msgpack.ExtraData):
+        return "more bytes follow the first value; send one map per record"
+    if isinstance(exc, UnicodeDecodeError):
+        return f"a string is not valid UTF-8 (byte {exc.object[exc.start]:#04x})"
+    if "incomplete input" in text:
+        return "it ends in the middle of a value (truncated?)"
+    if "exceeds max_" in text:
+        return "an array, map, string or bin claims more entries or bytes than the value holds"
+    if "map key" in text:
+        return "a map key is not a string; field names are strings"
+    return text or "it is not msgpack"
+
+
+def _json_problem(exc: Exception) -> str:
+    """What the JSON decoder's exception means, in words."""
+    if isinstance(exc, RecursionError):
+        return "arrays or objects are nested too deeply"
+    if isinstance(exc, UnicodeDecodeError):
+        return (f"it is not UTF-8 (byte {exc.object[exc.start]:#04x} at {exc.start}); send "
+                "UTF-8 JSON")
+    if isinstance(exc, json.JSONDecodeError):
+        return str(exc)
+    if "integer string conversion" in str(exc):
+        return (f"an integer has more than {sys.get_int_max_str_digits()} digits; no field "
+                "takes such a number")
+    return str(exc)
 
 
 def readable_fields(body: Any) -> dict[str, Any]:

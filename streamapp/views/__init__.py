@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import faust
 
 from streamapp.views.devices import add_device_views
-from streamapp.views.errors import ApiError, ApiView
+from streamapp.views.errors import ApiError, ApiView, json_http_errors
 from streamapp.views.health import add_health_views
 from streamapp.views.metrics import add_metrics_view
 
@@ -63,7 +63,9 @@ def api_reference() -> str:
 
 
 def install_views(app: faust.App, state: WorkerState) -> None:
-    """Register every endpoint of :data:`ENDPOINTS` on ``app``."""
+    """Register every endpoint of :data:`ENDPOINTS` on ``app``, and answer paths no endpoint
+    serves with JSON errors too (:func:`~streamapp.views.errors.json_http_errors`)."""
+    app.web.web_app.middlewares.append(json_http_errors)  # type: ignore[attr-defined]
     add_health_views(app, state)
     add_metrics_view(app, state)
     add_device_views(app, state)

@@ -277,6 +277,36 @@ def test_truncated_msgpack_map() -> None:
     assert "msgpack" in error.message
 
 
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (b"\x81\xa1a" + b"\x91" * 3000 + b"\xc0",
+         "cannot decode msgpack: arrays or maps are nested too deeply"),
+        (b"\x81\xa1a\xc1", "cannot decode msgpack: it holds a byte that starts no msgpack "
+                            "value (such as 0xc1)"),
+        (b"\x81\xa1a\x01extra", "cannot decode msgpack: more bytes follow the first value; "
+                                 "send one map per record"),
+        (b"\x82\xa1a\x01", "cannot decode msgpack: it ends in the middle of a value "
+                           "(truncated?)"),
+        (b"\x81\xa1a\xa2\xff\xfe", "cannot decode msgpack: a string is not valid UTF-8 "
+                                   "(byte 0xff)"),
+        (b'{"seq": ' + b"1" * 5000 + b"}",
+         "cannot decode JSON: an integer has more than 4300 digits; no field takes such a "
+         "number"),
+        (b"[" * 100_000, "cannot decode JSON: arrays or objects are nested too deeply"),
+        (b'{"a": "\xff"}', "cannot decode JSON: it is not UTF-8 (byte 0xff at 7); send UTF-8 "
+                          "JSON"),
+    ],
+    ids=["msgpack-deep", "msgpack-0xc1", "msgpack-extra", "msgpack-truncated",
+         "msgpack-not-utf8", "json-huge-int", "json-deep", "json-not-utf8"],
+)
+def test_decode_failures_are_said_in_words_not_python_internals(value: bytes, message: str) -> None:
+    error = rejection(value)
+
+    assert error.message == message
+    assert "sys." not in error.message and "Error" not in error.message
+
+
 def test_msgpack_map_with_non_string_key() -> None:
     error = rejection(msgpack.packb({1: "x"}))
 

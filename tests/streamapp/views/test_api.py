@@ -75,6 +75,8 @@ async def test_health_and_not_ready(client: TestClient[Any, Any]) -> None:
         ("/devices?limit=abc", 400, "bad_query"),
         ("/devices?sort=total", 400, "bad_query"),
         ("/health?verbose=1", 400, "bad_query"),
+        ("/nonexistent", 404, "not_found"),
+        ("/devices/cam1/windows/extra", 404, "not_found"),
     ],
 )
 async def test_errors_are_json_with_a_code_and_a_message(
@@ -114,6 +116,14 @@ async def test_a_device_id_is_queryable_exactly_when_a_request_may_carry_it(
 
     assert (response.status, body["error"]) == ((503, "not_ready") if accepted
                                                 else (400, "bad_device_id")), body
+
+
+async def test_a_method_other_than_get_is_a_json_405(client: TestClient[Any, Any]) -> None:
+    response = await client.post("/ready")
+    body = await response.json()
+
+    assert (response.status, body["error"]) == (405, "method_not_allowed")
+    assert body["message"] == "POST is not allowed on /ready; the web API answers GET"
 
 
 async def test_a_device_listing_when_nothing_is_owned(client: TestClient[Any, Any]) -> None:
