@@ -11,7 +11,7 @@ so the ratio compares like with like on a shared machine:
   A client refused with 429/503 waits the ``Retry-After`` it was given, as a well-behaved
   client does. Latency: every result of both workers.
 * ``retries``: one worker on the test-only ``faulty`` backend (every batch holding a request
-  whose first pixel is −1 fails, retriably), 200 req/s of normal requests; the disturbance is
+  whose first pixel is 15.5 fails, retriably), 200 req/s of normal requests; the disturbance is
   40 req/s of such failing requests from 8 other devices (each retried ``max_retries`` times,
   then dead-lettered). Latency: the healthy devices' results.
 
@@ -206,7 +206,7 @@ def run_web(logs: Path, seconds: float, log: Log) -> dict[str, Any]:
 
 def _failing_payload(run: str) -> Callable[[int, float], tuple[bytes, bytes]]:
     pixels = np.zeros((8, 8), dtype=np.float32)
-    pixels[0, 0] = -1.0
+    pixels[0, 0] = 15.5  # in the digits range (0–16): an out-of-range −1 never reaches the engine
     data = pixels.tobytes()
 
     def payload(n: int, ts: float) -> tuple[bytes, bytes]:
@@ -240,7 +240,7 @@ def run_retries(logs: Path, seconds: float, log: Log) -> dict[str, Any]:
     run = uuid.uuid4().hex[:4]
     wl, wl2 = (workload("digits", run=f"iso-retry-{run}-{p}") for p in ("a", "b"))
     env = {PLUGINS_ENV: "engines.testing.faults",
-           FAULTS_ENV: json.dumps([{"match_first_value": -1.0 / 16.0, "kind": "runtime"}])}
+           FAULTS_ENV: json.dumps([{"match_first_value": 15.5 / 16.0, "kind": "runtime"}])}
     with fresh_broker(logs, "isolation-retries") as broker, \
             _workers(broker, 1, {"backend": "faulty"}, logs, "iso-retries", env) as (
                 procs, topics):

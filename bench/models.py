@@ -122,8 +122,10 @@ def write_metadata(folder: Path, *, precision: str = "fp16", builder: str = "") 
         "labels": [str(i) for i in range(1000)],
         "input": {"name": "input", "dtype": "float32", "shape": [-1, 3, 224, 224]},
         "output": {"name": "logits", "dtype": "float32", "shape": [-1, 1000], "kind": "logits"},
+        # value_range: what pixel/255 normalized with IMAGENET_MEAN/STD can give,
+        # (0 - 0.485) / 0.229 = -2.118 to (1 - 0.406) / 0.225 = 2.640, with float16's rounding
         "request": {"shape": [3, 224, 224], "dtypes": ["float32", "float16"],
-                    "allow_non_finite": False},
+                    "value_range": [-2.12, 2.65], "allow_non_finite": False},
         "image": {
             "description": "RGB JPEG or PNG of any size up to max_pixels: resized to 224x224 "
             "(bilinear), pixel/255, then (x - mean) / std per channel (torchvision's ImageNet "

@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import sys
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Annotated, Any, Optional, TypeVar
 
 import typer
-from aiokafka.errors import KafkaError
+from aiokafka.errors import KafkaConnectionError, KafkaError
 
 from engines.exceptions import EngineError
 from streamapp.exceptions import ConfigError, StreamAppError
+from streamapp.settings import Settings
 
 __all__ = ["cli", "main"]
 
@@ -24,20 +26,47 @@ cli = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    context_settings={"show_default": True},
 )
 
+
+
+def _setting(name: str, extra: str = "") -> str:
+    """The help of an option that sets the setting ``name``: its description (Markdown
+    backticks dropped), ``extra``, its environment variable and its default."""
+    field = Settings.model_fields[name]
+    default = field.default
+    if isinstance(default, tuple):
+        default = ",".join(map(str, default))
+    text = (field.description or "").replace("`", "")
+    return (f"{text}{' ' + extra if extra else ''} Env STREAMAPP_{name.upper()}; "
+            f"default: {default if default != '' else 'none'}.")
+
+
 Broker = Annotated[
-    Optional[str],
-    typer.Option("--broker", "-b", help="Bootstrap servers, e.g. kafka://127.0.0.1:9092 "
-                 "(env STREAMAPP_BROKER)"),
+    Optional[str], typer.Option("--broker", "-b", help=_setting("broker"))
 ]
 
 
 def _unreachable(bootstrap: str, exc: BaseException) -> str:
+    """One line for a Kafka client error: what failed, then what to check."""
+    name = type(exc).__name__
+    text = re.sub(rf"^(\[Error \d+\] )?{name}: ?", "", str(exc))  # aiokafka repeats the type
+    if isinstance(exc, KafkaConnectionError):
+        what = "no broker answered (connection refused or timed out)"
+    else:
+        what = f"{name}: {text}" if text and text != name else name
     return (
-        f"cannot talk to the broker at {bootstrap}: {type(exc).__name__}: {exc}. Is it running "
-        "(streamapp broker), and are --broker / STREAMAPP_BROKER and the security settings right?"
+        f"cannot talk to the broker at {bootstrap}: {what}. Is it running (streamapp broker), "
+        "and are --broker / STREAMAPP_BROKER and the security settings right?"
     )
+
+
+def _quiet_kafka_client() -> None:
+    """Leave connection errors to this command's one-line message: aiokafka logs each failed
+    connect at ERROR as well (the worker keeps aiokafka's log; it never calls this)."""
+    logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
 
 
 def _fail(message: str, code: int = 1) -> typer.Exit:
@@ -56,7 +85,7 @@ def broker(
         help="With --kafka: keep the data here (default: a temporary directory).")] = None,
 ) -> None:
     """Run the embedded Kafka-compatible broker (Tansu), or Apache Kafka with --kafka, on
-    127.0.0.1 until Ctrl-C; prints ``bootstrap: HOST:PORT``."""
+    127.0.0.1 until Ctrl-C; prints "bootstrap: HOST:PORT"."""
     if kafka:
         from streamapp.kafka_server import run_kafka_forever
 
@@ -115,21 +144,26 @@ def _changelog_topics(settings: Any, app: Any) -> list[str]:
 @cli.command()
 def worker(
     broker: Broker = None,
-    app_id: Annotated[Optional[str], typer.Option(help="Consumer group / Faust app id.")] = None,
-    backend: Annotated[Optional[str], typer.Option(help="Engine backend or 'auto'.")] = None,
-    models: Annotated[Optional[str], typer.Option(help="Comma-separated model names.")] = None,
-    max_batch_size: Annotated[Optional[int], typer.Option()] = None,
-    max_batch_delay_ms: Annotated[Optional[float], typer.Option()] = None,
-    max_inflight_batches: Annotated[Optional[int], typer.Option()] = None,
-    topic_prefix: Annotated[Optional[str], typer.Option()] = None,
-    topic_partitions: Annotated[Optional[int], typer.Option()] = None,
-    web_port: Annotated[Optional[int], typer.Option(help="Web port (with --processes: of the "
-                        "first worker; worker i gets web_port + i).")] = None,
-    web_bind: Annotated[Optional[str], typer.Option()] = None,
-    data_dir: Annotated[Optional[Path], typer.Option(help="Data directory (tables); one "
-                        "worker per directory. With --processes: worker i uses "
-                        "<data_dir>/worker-<i>.")] = None,
-    log_level: Annotated[Optional[str], typer.Option()] = None,
+    app_id: Annotated[Optional[str], typer.Option(help=_setting("app_id"))] = None,
+    backend: Annotated[Optional[str], typer.Option(help=_setting("backend"))] = None,
+    models: Annotated[Optional[str], typer.Option(help=_setting("models"))] = None,
+    max_batch_size: Annotated[Optional[int], typer.Option(help=_setting("max_batch_size"))]
+    = None,
+    max_batch_delay_ms: Annotated[Optional[float], typer.Option(
+        help=_setting("max_batch_delay_ms"))] = None,
+    max_inflight_batches: Annotated[Optional[int], typer.Option(
+        help=_setting("max_inflight_batches"))] = None,
+    topic_prefix: Annotated[Optional[str], typer.Option(help=_setting("topic_prefix"))] = None,
+    topic_partitions: Annotated[Optional[int], typer.Option(
+        help=_setting("topic_partitions"))] = None,
+    web_port: Annotated[Optional[int], typer.Option(help=_setting(
+        "web_port", "With --processes: of the first worker; worker i gets web_port + i."))]
+    = None,
+    web_bind: Annotated[Optional[str], typer.Option(help=_setting("web_bind"))] = None,
+    data_dir: Annotated[Optional[Path], typer.Option(help=_setting(
+        "data_dir", "One worker per directory; with --processes, worker i uses "
+        "<data_dir>/worker-<i>."))] = None,
+    log_level: Annotated[Optional[str], typer.Option(help=_setting("log_level"))] = None,
     processes: Annotated[Optional[int], typer.Option(
         min=1, help="Run and supervise N worker processes of one group on this host (own "
         "data dir, web port, group instance id and GPU each; restarted when they die). "
@@ -277,6 +311,7 @@ def publish(
         security = kafka_security_options(settings)
     except StreamAppError as exc:
         raise _fail(str(exc)) from None
+    _quiet_kafka_client()
     images, _ = load_digits_frames()
     n = count or len(images)
     indices = [i % len(images) for i in range(n)]
@@ -424,6 +459,7 @@ async def _print_tail(
 
 def _run_tail(bootstrap: str, run: Callable[[], Coroutine[Any, Any, None]]) -> None:
     """``asyncio.run(run())`` with our errors as one line, and Ctrl-C as a clean end."""
+    _quiet_kafka_client()
     try:
         asyncio.run(run())
     except StreamAppError as exc:
@@ -512,6 +548,7 @@ def dlq_replay(
             f"warning: {reason!r} is not a known reason code ({', '.join(REASONS)})",
             fg=typer.colors.YELLOW, err=True,
         )
+    _quiet_kafka_client()
     try:
         report = asyncio.run(
             replay_dead_letters(

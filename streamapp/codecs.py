@@ -12,6 +12,7 @@ import base64
 import binascii
 import json
 import math
+import sys
 import time
 from typing import Any, Literal
 
@@ -19,7 +20,7 @@ import msgpack
 import numpy as np
 
 from streamapp.exceptions import InvalidRequestError
-from streamapp.records import DeadLetter, InferenceRequest, TensorPayload
+from streamapp.records import DeadLetter, InferenceRequest, TensorPayload, device_id_problem
 
 __all__ = [
     "ALLOWED_DTYPES",
@@ -27,6 +28,7 @@ __all__ = [
     "MAX_REQUEST_TS_AHEAD_S",
     "MIN_REQUEST_TS",
     "REASONS",
+    "canonical_dtype",
     "check_key",
     "dead_letter_to_dict",
     "decode_dead_letter",
@@ -48,6 +50,9 @@ REASONS: dict[str, str] = {
     "invalid_msgpack": "the value is not valid msgpack",
     "wrong_type": "the value is not an object/map, or a field has the wrong type",
     "missing_field": "a required field is missing",
+    "bad_device_id": "device_id is longer than 256 characters or holds control, format or "
+    "separator characters",
+    "ambiguous_input": "the request holds both a tensor and an image",
     "too_large": "the value is larger than max_request_bytes",
     "image_too_large": "the image header claims more pixels than max_image_pixels allows",
     "bad_tensor": "the tensor's data does not match its dtype and shape, or is not valid base64",
@@ -58,6 +63,7 @@ REASONS: dict[str, str] = {
     "bad_dtype": "the tensor's dtype is not one the model accepts",
     "bad_shape": "the tensor's shape is not the one the model expects",
     "non_finite": "the tensor holds NaN or infinity and the model does not allow them",
+    "out_of_range": "a tensor value is outside the range the model's metadata declares",
     "unsupported_input": "the model does not accept this kind of input (tensor/image)",
     "undecodable_image": "the image is not a PNG/JPEG that can be decoded",
     "duplicate_request_id": "another request with the same request_id is in the same batch",
@@ -82,10 +88,15 @@ MIN_REQUEST_TS = 978_307_200.0
 #: as seconds (tens of thousands of years ahead).
 MAX_REQUEST_TS_AHEAD_S = 86_400.0
 
-#: Element types a request tensor may have. Object, string and void dtypes are never accepted.
-ALLOWED_DTYPES: frozenset[str] = frozenset(
-    {"uint8", "int8", "uint16", "int16", "int32", "int64", "float16", "float32", "float64"}
-)
+#: numpy's type codes of the element types a request tensor may have, by name.
+_DTYPE_CODES: dict[str, str] = {
+    "uint8": "u1", "int8": "i1", "uint16": "u2", "int16": "i2", "int32": "i4", "int64": "i8",
+    "float16": "f2", "float32": "f4", "float64": "f8",
+}
+#: Element types a request tensor may have (canonical names). Object, string and void dtypes
+#: are never accepted.
+ALLOWED_DTYPES: frozenset[str] = frozenset(_DTYPE_CODES)
+_BY_CODE = {code: name for name, code in _DTYPE_CODES.items()}
 
 #: Longest id (``request_id``, ``device_id``, ``model``) copied from a *rejected* value into its
 #: dead letter's fields: ids are for finding a record, and a 1 MB id would make the dead letter
@@ -182,7 +193,7 @@ def decode_request(
             body = msgpack.unpackb(value, raw=False, strict_map_key=True)
         except Exception as exc:  # msgpack raises several unrelated types
             raise InvalidRequestError(
-                "invalid_msgpack", f"cannot decode msgpack: {type(exc).__name__}: {exc}"
+                "invalid_msgpack", f"cannot decode msgpack: {_msgpack_problem(exc)}"
             ) from exc
     else:
         try:
@@ -191,7 +202,9 @@ def decode_request(
         # RecursionError: the C scanner's answer to deeply nested arrays/objects ("[[[[...").
         # ValueError: also an integer literal longer than sys.get_int_max_str_digits() (4300).
         except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-            raise InvalidRequestError("invalid_json", f"cannot decode JSON: {exc}") from exc
+            raise InvalidRequestError(
+                "invalid_json", f"cannot decode JSON: {_json_problem(exc)}"
+            ) from exc
     if not isinstance(body, dict):
         raise InvalidRequestError(
             "wrong_type", f"the value is a {type(body).__name__}, expected an object with fields"
@@ -201,6 +214,41 @@ def decode_request(
     except InvalidRequestError as exc:
         exc.fields = readable_fields(body)
         raise
+
+
+def _msgpack_problem(exc: Exception) -> str:
+    """What msgpack's exception means, in words (several of them have no message at all)."""
+    text = str(exc)
+    if isinstance(exc, msgpack.StackError):
+        return "arrays or maps are nested too deeply"
+    if isinstance(exc, msgpack.FormatError):
+        return "it holds a byte that starts no msgpack value (such as 0xc1)"
+    if isinstance(exc, msgpack.ExtraData):
+        return "more bytes follow the first value; send one map per record"
+    if isinstance(exc, UnicodeDecodeError):
+        return f"a string is not valid UTF-8 (byte {exc.object[exc.start]:#04x})"
+    if "incomplete input" in text:
+        return "it ends in the middle of a value (truncated?)"
+    if "exceeds max_" in text:
+        return "an array, map, string or bin claims more entries or bytes than the value holds"
+    if "map key" in text:
+        return "a map key is not a string; field names are strings"
+    return text or "it is not msgpack"
+
+
+def _json_problem(exc: Exception) -> str:
+    """What the JSON decoder's exception means, in words."""
+    if isinstance(exc, RecursionError):
+        return "arrays or objects are nested too deeply"
+    if isinstance(exc, UnicodeDecodeError):
+        return (f"it is not UTF-8 (byte {exc.object[exc.start]:#04x} at {exc.start}); send "
+                "UTF-8 JSON")
+    if isinstance(exc, json.JSONDecodeError):
+        return str(exc)
+    if "integer string conversion" in str(exc):
+        return (f"an integer has more than {sys.get_int_max_str_digits()} digits; no field "
+                "takes such a number")
+    return str(exc)
 
 
 def readable_fields(body: Any) -> dict[str, Any]:
@@ -265,6 +313,40 @@ def check_key(key: bytes | None, request: InferenceRequest) -> None:
         )
 
 
+def canonical_dtype(spelling: str) -> tuple[str, bool]:
+    """The canonical name of a request tensor's dtype, and whether its data is big-endian.
+
+    Accepts the names of :data:`ALLOWED_DTYPES` (``"float32"``) and numpy's type strings of
+    them with or without a byte order (``"f4"``, ``"<f4"``, ``"=f4"``, ``">f4"``, ``"|u1"``,
+    what ``numpy.dtype(...).str`` writes). ``<``, ``=`` and no prefix mean little-endian (the
+    byte order docs/records.md defines: ``=`` is the sender's native order, little-endian on
+    every platform streamapp runs on); ``|`` (no byte order) is for one-byte types only; ``>``
+    is big-endian, which :func:`decode_request` converts.
+
+    Args:
+        spelling: The request's ``tensor.dtype``.
+
+    Returns:
+        ``(name, big_endian)``, e.g. ``("float32", True)`` for ``">f4"``; one-byte types are
+        never big-endian.
+
+    Raises:
+        InvalidRequestError: ``bad_dtype``: not a spelling of an allowed dtype.
+    """
+    if spelling in _DTYPE_CODES:
+        return spelling, False
+    order, code = (spelling[:1], spelling[1:]) if spelling[:1] in "<>=|" else ("", spelling)
+    name = _BY_CODE.get(code)
+    if name is None or (order == "|" and code[1:] != "1"):
+        raise InvalidRequestError(
+            "bad_dtype",
+            f"tensor dtype {_short(spelling)} is not allowed; use one of "
+            f"{', '.join(sorted(ALLOWED_DTYPES))}, or numpy's spelling of one with its byte "
+            "order ('<f4', '>f4', '|u1'; '|' for one-byte types only)",
+        )
+    return name, order == ">" and code[1:] != "1"
+
+
 def _check_ts(ts: float, now: float) -> None:
     if ts < MIN_REQUEST_TS:
         raise InvalidRequestError(
@@ -317,11 +399,22 @@ def _request_from_body(body: dict[str, Any], *, binary: bool, now: float) -> Inf
     for name in ("request_id", "device_id", "model"):
         if not fields[name]:
             raise InvalidRequestError("wrong_type", f"field {name!r} is empty")
+    problem = device_id_problem(fields["device_id"])
+    if problem is not None:
+        raise InvalidRequestError(
+            "bad_device_id", f"field 'device_id' {_short(fields['device_id'], 64)} {problem}"
+        )
     tensor_body = body.get("tensor")
     image_body = body.get("image")
     if tensor_body is None and image_body is None:
         raise InvalidRequestError(
             "missing_field", "the request has neither 'tensor' nor 'image'; send one of them"
+        )
+    if tensor_body is not None and image_body is not None:
+        raise InvalidRequestError(
+            "ambiguous_input",
+            "the request holds both 'tensor' and 'image'; send exactly one of them (the worker "
+            "does not guess which one is meant)",
         )
     tensor = _tensor_from_body(tensor_body, binary=binary) if tensor_body is not None else None
     image = _bytes_field(image_body, "image", binary=binary) if image_body is not None else None
@@ -361,11 +454,7 @@ def _tensor_from_body(body: Any, *, binary: bool) -> TensorPayload:
     shape = _field(body, "shape", list)
     if "data" not in body:
         raise InvalidRequestError("missing_field", "required field 'tensor.data' is missing")
-    if dtype not in ALLOWED_DTYPES:
-        raise InvalidRequestError(
-            "bad_dtype", f"tensor dtype {dtype!r} is not allowed; use one of "
-            f"{', '.join(sorted(ALLOWED_DTYPES))}"
-        )
+    dtype, big_endian = canonical_dtype(dtype)
     if len(shape) > _MAX_RANK or not all(
         isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
     ):
@@ -380,6 +469,8 @@ def _tensor_from_body(body: Any, *, binary: bool) -> TensorPayload:
             "bad_tensor",
             f"tensor data is {len(data)} bytes, but {dtype}{shape} needs {expected} bytes",
         )
+    if big_endian:  # one copy, into the byte order the rest of the worker reads
+        data = np.frombuffer(data, dtype=np.dtype(dtype).newbyteorder(">")).byteswap().tobytes()
     return TensorPayload(dtype=dtype, shape=tuple(shape), data=data)
 
 

@@ -26,7 +26,7 @@ from aiokafka.structs import ConsumerRecord
 from streamapp.codecs import dead_letter_to_dict, decode_dead_letter
 from streamapp.kafka import start_or_close
 from streamapp.records import DeadLetter
-from streamapp.tail import TopicReader, cell, iso_utc, parse_since
+from streamapp.tail import TopicReader, display_width, iso_utc, pad, parse_since
 
 __all__ = [
     "DeadLetterEntry",
@@ -249,6 +249,28 @@ async def replay_dead_letters(
 _COLUMNS = ("time", "device", "request_id", "reason", "stage", "message", "source")
 _MAX = {"time": 24, "device": 20, "request_id": 28, "reason": 20, "stage": 10,
         "source": 36}
+#: Narrowest each column is cut to before columns are left out to fit the width.
+_MIN = {"time": 24, "device": 8, "request_id": 10, "reason": 12, "stage": 8, "message": 16,
+        "source": 16}
+#: Left out in this order when even the narrowest columns do not fit (``--json`` has them).
+_DROP = ("stage", "source")
+
+
+def _fit(widths: dict[str, int], total: int) -> dict[str, int]:
+    """Column widths whose line (two-space gaps) is at most ``total`` columns: the widest
+    column above its :data:`_MIN` is narrowed first; while even the minimums are too wide,
+    the columns of :data:`_DROP` are left out."""
+    widths = dict(widths)
+    for column in _DROP:
+        if sum(min(w, _MIN[c]) for c, w in widths.items()) + 2 * (len(widths) - 1) <= total:
+            break
+        del widths[column]
+    while sum(widths.values()) + 2 * (len(widths) - 1) > total:
+        column = max(widths, key=lambda c: widths[c] - _MIN[c])
+        if widths[column] <= _MIN[column]:
+            break
+        widths[column] -= 1
+    return widths
 
 
 def _row(entry: DeadLetterEntry) -> dict[str, str]:
@@ -280,8 +302,11 @@ def format_entries(
 
     Args:
         entries: What to show, in order.
-        width: Line width to fit (default: the terminal's); the message column takes what the
-            other columns leave, at least 20 characters. Long cells end with "…".
+        width: Terminal width (default: the terminal's); lines are at most one column
+            narrower, so that none wraps. The message column takes what the other columns
+            leave; where that is too little, the widest columns are cut (cells end with "…")
+            and then stage and source are left out (80 columns: time, device, request_id,
+            reason, message). Widths are terminal columns: CJK characters count 2.
         header: Start with the column names.
         fixed: Column widths from fixed caps instead of the data, so that tables printed one
             after the other (``tail --follow``) line up.
@@ -294,18 +319,20 @@ def format_entries(
         return ""
     widths = {
         c: _MAX.get(c, 24) if fixed else min(
-            _MAX.get(c, 10**6), max(len(c), *(len(r[c]) for r in rows), 0)
+            _MAX.get(c, 10**6), max(len(c), *(display_width(r[c]) for r in rows), 0)
         )
         for c in _COLUMNS
     }
-    total = width or shutil.get_terminal_size((160, 24)).columns
+    total = (width or shutil.get_terminal_size((160, 24)).columns) - 1  # no wrap in the last
     others = sum(w for c, w in widths.items() if c != "message") + 2 * (len(_COLUMNS) - 1)
-    widths["message"] = max(20, total - others if fixed else min(widths["message"], total - others))
-    lines = ["  ".join(c.upper().ljust(widths[c]) for c in _COLUMNS).rstrip()] if header else []
+    if fixed:
+        widths["message"] = max(_MIN["message"], total - others)
+    else:
+        widths["message"] = max(_MIN["message"], min(widths["message"], total - others))
+    widths = _fit(widths, total)
+    lines = ["  ".join(pad(c.upper(), w) for c, w in widths.items()).rstrip()] if header else []
     for row in rows:
-        lines.append(
-            "  ".join(cell(row[c], widths[c]).ljust(widths[c]) for c in _COLUMNS).rstrip()
-        )
+        lines.append("  ".join(pad(row[c], w) for c, w in widths.items()).rstrip())
     return "\n".join(lines)
 
 

@@ -11,6 +11,7 @@ import logging
 import weakref
 from collections.abc import Awaitable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import faust
@@ -25,13 +26,14 @@ from streamapp.settings import Settings
 __all__ = [
     "FaustConsumer",
     "FaustSink",
+    "PartitionMarks",
     "StandInEvent",
     "commit_offsets",
     "committed_or_earliest",
     "event_context",
     "guard_undecodable_batches",
     "make_worker",
-    "partition_lag",
+    "partition_marks",
     "producer_buffer_stalled",
     "producer_client",
     "screen_changelog",
@@ -544,28 +546,38 @@ class FaustSink:
         return [r if r is not None else RuntimeError("not sent") for r in result]
 
 
-async def partition_lag(
-    app: Any, topics: Iterable[str]
-) -> tuple[dict[tuple[str, int], int], dict[tuple[str, int], int], dict[str, int]]:
-    """Consumer lag of this worker's assigned partitions of ``topics``.
+@dataclass
+class PartitionMarks:
+    """Where this worker's assigned source partitions stand, from its consumer.
 
-    Uses the high watermark of the last fetch response (right on Tansu, unlike the ListOffsets
-    answer, docs/broker.md) and the consumer's position.
-
-    Returns:
-        ``(lag, highwater, assigned)``: records behind and high watermark per fetched
-        ``(topic, partition)``, and the number of assigned partitions per topic.
+    Attributes:
+        highwater: High watermark of the last fetch response per fetched ``(topic,
+            partition)`` (right on Tansu, unlike its ListOffsets answer, docs/broker.md).
+        position: The consumer's fetch position (next offset to fetch) of those partitions.
+        assigned: Partitions assigned per topic.
     """
+
+    highwater: dict[tuple[str, int], int] = field(default_factory=dict)
+    position: dict[tuple[str, int], int] = field(default_factory=dict)
+    assigned: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def lag(self) -> dict[tuple[str, int], int]:
+        """Records not fetched yet: high watermark − position, per partition with both."""
+        return {tp: max(0, hw - self.position[tp]) for tp, hw in self.highwater.items()
+                if tp in self.position}
+
+
+async def partition_marks(app: Any, topics: Iterable[str]) -> PartitionMarks:
+    """High watermarks and positions of this worker's assigned partitions of ``topics``."""
     wanted = tuple(topics)
-    lag: dict[tuple[str, int], int] = {}
-    highwater: dict[tuple[str, int], int] = {}
-    assigned: dict[str, int] = dict.fromkeys(wanted, 0)
+    marks = PartitionMarks(assigned=dict.fromkeys(wanted, 0))
     consumer = app.consumer
     tps = []
     with contextlib.suppress(Exception):  # consumer not started yet
         tps = [tp for tp in consumer.assignment() if tp.topic in wanted]
     for tp in tps:
-        assigned[tp.topic] += 1
+        marks.assigned[tp.topic] += 1
         try:
             hw = consumer.highwater(tp)  # None until the partition was fetched
             position = await consumer.position(tp) if hw is not None else None
@@ -573,7 +585,7 @@ async def partition_lag(
             continue
         if hw is None:
             continue
-        highwater[(tp.topic, tp.partition)] = int(hw)
+        marks.highwater[(tp.topic, tp.partition)] = int(hw)
         if position is not None:
-            lag[(tp.topic, tp.partition)] = max(0, int(hw) - int(position))
-    return lag, highwater, assigned
+            marks.position[(tp.topic, tp.partition)] = int(position)
+    return marks

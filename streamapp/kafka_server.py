@@ -43,7 +43,7 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import IO, Any
 
-from streamapp.children import free_port, popen_child, read_tail, terminate_group
+from streamapp.children import free_port, popen_child, port_taken, read_tail, terminate_group
 from streamapp.exceptions import BrokerError
 from streamapp.kafka import run_sync
 
@@ -381,12 +381,22 @@ class KafkaBroker:
             ``self``.
 
         Raises:
-            BrokerError: Java or the jars are missing and cannot be fetched, formatting failed,
+            BrokerError: The requested port is in use (checked first), Java or the jars are
+                missing and cannot be fetched, formatting failed,
                 a node exited, or not every node answered within ``start_timeout_s`` (the log
                 tail of the failing node is quoted).
         """
         if self.is_running():
             return self
+        if (not self._nodes and self._requested_port is not None
+                and port_taken(self._host, self._requested_port)):
+            # Kafka would exit with a page of log lines, after the probe of another broker
+            # already listening there said "ready"
+            raise BrokerError(
+                f"Cannot start Apache Kafka: port {self._requested_port} on {self._host} is "
+                "already in use (another broker?). Stop whatever listens there, choose another "
+                "--port, or leave it out for a free one."
+            )
         ensure_kafka_jars()
         began = time.monotonic()
         if not self._nodes:

@@ -91,12 +91,19 @@ METRIC_FAMILIES: tuple[tuple[str, str, str, str], ...] = (
     ("streamapp_consumer_lag", "gauge", "topic, partition",
      "Records in the partition the worker has not fetched yet: fetch high watermark − "
      "position."),
+    ("streamapp_backlog_records", "gauge", "topic, partition",
+     "Records of the partition not committed yet: fetch high watermark − the group's "
+     "committed offset, so it counts what waits in the broker, what Faust fetched into its "
+     "buffers, what is in the pipeline and what is answered but not yet committed (what a "
+     "crash would re-deliver). What an alert or an autoscaler reads (docs/metrics.md); per "
+     "assigned partition, so sum it over workers."),
     ("streamapp_consumer_highwater", "gauge", "topic, partition",
      "High watermark (next offset to be written) from the last fetch response."),
     ("streamapp_assigned_partitions", "gauge", "topic",
      "Partitions of the request topic assigned to this worker."),
     ("streamapp_ready", "gauge", "",
-     "1 when `/ready` answers 200 (partitions assigned, engines warmed up, tables recovered)."),
+     "1 when `/ready` answers 200 (partitions assigned, engines warmed up, tables recovered, "
+     "the broker answers a Kafka request, progress while records wait)."),
     ("streamapp_engine_info", "info", "model, backend, engine, device, precision, "
      "max_batch_size", "The engine serving each model (value 1)."),
     ("streamapp_table_flushes_total", "counter", "",
@@ -230,7 +237,7 @@ class WorkerGauges:
     """Point-in-time values the collector exports; refreshed by :meth:`Metrics.refresh`.
 
     Attributes:
-        lag / highwater: ``{(topic, partition): records}``.
+        lag / highwater / backlog: ``{(topic, partition): records}``.
         assigned: ``{topic: partitions assigned}``.
     """
 
@@ -239,6 +246,7 @@ class WorkerGauges:
     pending_requests: int = 0
     lag: dict[tuple[str, int], int] = field(default_factory=dict)
     highwater: dict[tuple[str, int], int] = field(default_factory=dict)
+    backlog: dict[tuple[str, int], int] = field(default_factory=dict)
     assigned: dict[str, int] = field(default_factory=dict)
     engines: dict[str, dict[str, Any]] = field(default_factory=dict)
     table_flushes: int = 0
@@ -287,6 +295,12 @@ class _GaugeCollector(Collector):
         for (topic, partition), value in sorted(g.lag.items()):
             lag.add_metric([topic, str(partition)], value)
         yield lag
+        backlog = GaugeMetricFamily("streamapp_backlog_records", "Records not committed yet "
+                                    "(fetch high watermark - committed offset).",
+                                    labels=["topic", "partition"])
+        for (topic, partition), value in sorted(g.backlog.items()):
+            backlog.add_metric([topic, str(partition)], value)
+        yield backlog
         hw = GaugeMetricFamily("streamapp_consumer_highwater", "High watermark from the last "
                                "fetch.", labels=["topic", "partition"])
         for (topic, partition), value in sorted(g.highwater.items()):

@@ -7,10 +7,58 @@ instead of a deserialization crash inside Faust.
 
 from __future__ import annotations
 
+import unicodedata
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-__all__ = ["DeadLetter", "InferenceRequest", "InferenceResult", "TensorPayload"]
+__all__ = [
+    "MAX_DEVICE_ID_CHARS",
+    "DeadLetter",
+    "InferenceRequest",
+    "InferenceResult",
+    "TensorPayload",
+    "device_id_problem",
+]
+
+#: Longest device id (characters) a request may carry and a URL may name.
+MAX_DEVICE_ID_CHARS = 256
+
+_CATEGORY_NAMES = {
+    "Cc": "a control character", "Cf": "a format character", "Cs": "a lone surrogate",
+    "Co": "a private-use character", "Cn": "an unassigned character",
+    "Zl": "a line separator", "Zp": "a paragraph separator",
+    "Zs": "a space other than U+0020",
+}
+
+
+def device_id_problem(device_id: str) -> str | None:
+    """What is wrong with ``device_id``, or None when it is a valid device id.
+
+    The one rule for device ids: the worker dead-letters a request whose id breaks it
+    (``bad_device_id``) and every view that takes a device id answers 400 ``bad_device_id``
+    for it, so that every device the worker records can be queried from every worker. A device
+    id is 1 to :data:`MAX_DEVICE_ID_CHARS` characters of printable text (``str.isprintable``):
+    no control (tab, NUL), format (U+202E, zero-width), surrogate, private-use, unassigned or
+    separator characters other than the ASCII space.
+
+    Args:
+        device_id: The id (a request's ``device_id``, a record key decoded as UTF-8, a URL
+            path segment percent-decoded).
+
+    Returns:
+        A phrase to put after the id in a message (``"is 300 characters long; ..."``), or None.
+    """
+    if not device_id:
+        return "is empty"
+    if len(device_id) > MAX_DEVICE_ID_CHARS:
+        return (f"is {len(device_id)} characters long; at most {MAX_DEVICE_ID_CHARS} are "
+                "allowed")
+    if device_id.isprintable():
+        return None
+    index, char = next((i, c) for i, c in enumerate(device_id) if not c.isprintable())
+    kind = _CATEGORY_NAMES.get(unicodedata.category(char), "a non-printable character")
+    return (f"holds U+{ord(char):04X} ({kind}) at index {index}; device ids are printable "
+            "text, without control, format or separator characters other than the space")
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,7 @@ from aiokafka import TopicPartition
 from aiokafka.structs import ConsumerRecord
 
 from streamapp.codecs import decode_result
-from streamapp.tail import TopicReader, cell
+from streamapp.tail import TopicReader, cell, pad
 
 __all__ = [
     "RESULT_HEADER",
@@ -40,9 +40,7 @@ _TAG_TAIL = 9
 
 
 def _join(cells: dict[str, str]) -> str:
-    return " ".join(
-        cells[c].rjust(w) if c in _RIGHT else cells[c].ljust(w) for c, w in _WIDTHS.items()
-    ).rstrip()
+    return " ".join(pad(cells[c], w, right=c in _RIGHT) for c, w in _WIDTHS.items()).rstrip()
 
 
 #: The column names, aligned with :func:`format_result_line`.

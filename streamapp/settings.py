@@ -296,6 +296,18 @@ class Settings(BaseSettings):
     data_dir: Path = Field(Path("data"), description="Faust data dir (tables, RocksDB).")
     web_bind: str = Field("127.0.0.1", description="Address the worker's web server binds.")
     web_port: int = Field(6066, ge=0, le=65535, description="Web server port.")
+    ready_probe_timeout_ms: float = Field(
+        1000.0, gt=0,
+        description="How long /ready waits for a bootstrap server to answer a Kafka "
+        "ApiVersions request (ms); none answering makes the worker not ready "
+        "(broker_responsive). Keep a Kubernetes readinessProbe's timeoutSeconds above it.",
+    )
+    ready_stall_s: float = Field(
+        15.0, ge=0,
+        description="/ready answers 503 (making_progress) when records wait in the worker's "
+        "source partitions and for this long (seconds) no record was read, no offset "
+        "committed and no fetch moved a position or high watermark. 0: never.",
+    )
     event_loop: Literal["asyncio", "uvloop"] = Field(
         "asyncio",
         description="The worker's event loop: asyncio, or uvloop (pip install "

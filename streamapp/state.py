@@ -9,15 +9,18 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import ssl
 from dataclasses import dataclass, field
 from typing import Any
 
 import faust
 
 from streamapp.agents.observer import PipelineObserver
-from streamapp.faust_compat import partition_lag
+from streamapp.faust_compat import PartitionMarks, partition_marks
+from streamapp.kafka import kafka_security_options
 from streamapp.metrics import Metrics, WorkerGauges
 from streamapp.partitions import GatedStateObserver, PartitionCheck
+from streamapp.readiness import ProgressWatch, probe_kafka
 from streamapp.record_batches import undecodable_counts
 from streamapp.settings import Settings
 from streamapp.tables import DeviceStateObserver, DeviceStateReader, WindowPlan
@@ -54,6 +57,9 @@ class WorkerState:
     partition_check: PartitionCheck
     #: Row readers of every restored table (device tables, retry_counts): their rejections.
     screens: list[RowScreen] = field(default_factory=list)
+    progress: ProgressWatch = field(default_factory=lambda: ProgressWatch(0.0))
+    #: For the readiness probe of SSL / SASL_SSL listeners.
+    probe_ssl: ssl.SSLContext | None = None
 
     @property
     def worker(self) -> str:
@@ -109,9 +115,70 @@ class WorkerState:
                 )
         return out
 
+    async def marks(self) -> PartitionMarks:
+        """High watermarks and positions of the assigned request and retry partitions."""
+        return await partition_marks(
+            self.app, (self.settings.request_topic, self.settings.retry_topic)
+        )
+
+    def backlog(self, marks: PartitionMarks) -> dict[tuple[str, int], int]:
+        """Records not committed yet per fetched source partition: the fetch high watermark
+        minus the group's committed offset (the records waiting in the broker, fetched into
+        Faust's buffers, in the pipeline, and answered but not committed yet).
+
+        The committed offset is the one delivery tracks (:mod:`streamapp.offsets`); for a
+        partition the agent has not read from yet, the consumer's position stands in for it
+        (the same unless Faust fetched records of it that the agent has not taken yet).
+        """
+        tracker = self.runtime.delivery.tracker
+        out = {}
+        for tp, high in marks.highwater.items():
+            state = tracker.state(tp)
+            base = state.committed if state is not None else marks.position.get(tp)
+            if base is not None:
+                out[tp] = max(0, high - base)
+        return out
+
+    async def broker_checks(
+        self, marks: PartitionMarks | None = None
+    ) -> tuple[dict[str, bool], dict[str, str]]:
+        """The checks of ``/ready`` beyond :meth:`readiness` (:mod:`streamapp.readiness`): a
+        bootstrap server answers a Kafka request within ``ready_probe_timeout_ms``
+        (``broker_responsive``), and the worker makes progress while records wait
+        (``making_progress``: not stalled for ``ready_stall_s``).
+
+        Returns:
+            ``(checks, problems)``: the two checks, and for each failing one why (a sentence).
+        """
+        marks = marks if marks is not None else await self.marks()
+        problems: dict[str, str] = {}
+        probe = await probe_kafka(
+            self.settings.bootstrap_servers,
+            timeout_s=self.settings.ready_probe_timeout_ms / 1000.0, ssl_context=self.probe_ssl,
+        )
+        if probe is not None:
+            problems["broker_responsive"] = probe
+        waiting = sum(self.backlog(marks).values())
+        pipeline = getattr(self.runtime, "pipeline", None)
+        progress = (
+            pipeline.stats.received if pipeline is not None else -1,
+            self.runtime.delivery.stats.commits,
+            tuple(sorted(marks.position.items())), tuple(sorted(marks.highwater.items())),
+        )
+        stalled = self.progress.observe(progress, waiting)
+        if stalled is not None:
+            problems["making_progress"] = (
+                f"{waiting} records wait, but for {stalled:.0f} s no record was read, no offset "
+                f"committed and no fetch moved (ready_stall_s={self.settings.ready_stall_s:g})"
+            )
+        checks = {name: name not in problems for name in ("broker_responsive", "making_progress")}
+        return checks, problems
+
     async def refresh_gauges(self, gauges: WorkerGauges) -> None:
         """Point-in-time values for ``/metrics``."""
-        gauges.ready = all(self.readiness().values())
+        marks = await self.marks()
+        broker, _ = await self.broker_checks(marks)
+        gauges.ready = all(self.readiness().values()) and all(broker.values())
         pipeline = getattr(self.runtime, "pipeline", None)
         batcher = getattr(pipeline, "batcher", None)
         gauges.inflight_batches = int(getattr(batcher, "inflight", 0) or 0)
@@ -159,9 +226,8 @@ class WorkerState:
             if key[0] in (self.settings.request_topic, self.settings.retry_topic)
             or key[0].startswith(f"{self.settings.app_id}-")
         }
-        gauges.lag, gauges.highwater, gauges.assigned = await partition_lag(
-            self.app, (self.settings.request_topic, self.settings.retry_topic)
-        )
+        gauges.lag, gauges.highwater, gauges.assigned = marks.lag, marks.highwater, marks.assigned
+        gauges.backlog = self.backlog(marks)
 
     @property
     def observers(self) -> list[PipelineObserver]:
@@ -200,6 +266,8 @@ def build_state(
         observer=observer, reader=DeviceStateReader(tables, plan), metrics=metrics,
         partition_check=check or PartitionCheck(app, settings),
         screens=list(tables.screens.values()),
+        progress=ProgressWatch(settings.ready_stall_s),
+        probe_ssl=kafka_security_options(settings).get("ssl_context"),
     )
     metrics.add_refresher(state.refresh_gauges)
     return state

@@ -14,6 +14,7 @@ from __future__ import annotations
 import abc
 import re
 import time
+import unicodedata
 from collections.abc import AsyncIterator, Mapping
 from datetime import UTC, datetime
 from typing import Any, Generic, Self, TypeVar
@@ -24,7 +25,7 @@ from aiokafka.structs import ConsumerRecord
 from streamapp.exceptions import BrokerError
 from streamapp.kafka import partitions_of, start_or_close
 
-__all__ = ["TopicReader", "cell", "iso_utc", "parse_since"]
+__all__ = ["TopicReader", "cell", "display_width", "iso_utc", "pad", "parse_since"]
 
 _T = TypeVar("_T")
 
@@ -84,10 +85,51 @@ def iso_utc(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
 
 
+def _char_width(char: str) -> int:
+    if unicodedata.combining(char) or unicodedata.category(char) in ("Mn", "Me", "Cf"):
+        return 0
+    return 2 if unicodedata.east_asian_width(char) in ("W", "F") else 1
+
+
+def display_width(value: str) -> int:
+    """Terminal columns ``value`` takes: 2 for East Asian wide and full-width characters
+    (CJK, most emoji), 0 for combining and format characters, 1 for the rest (after
+    :func:`cell` made control characters visible)."""
+    if value.isascii():
+        return len(value)
+    return sum(_char_width(c) for c in value)
+
+
+def _printable(value: str) -> str:
+    """Characters that are not printable (tab, newline, NUL, U+202E, ...) as one space each,
+    so that a cell stays on one line, in order, and its width is what the terminal shows."""
+    if value.isprintable():
+        return value
+    return "".join(c if c.isprintable() else " " for c in value)
+
+
 def cell(value: str, width: int) -> str:
-    """``value`` on one line, cut to ``width`` characters with a final "…" when longer."""
-    value = value.replace("\n", " ")
-    return value if len(value) <= width else value[: max(width - 1, 0)] + "…"
+    """``value`` on one line, cut to ``width`` terminal columns (:func:`display_width`) with a
+    final "…" when wider; control characters become spaces."""
+    value = _printable(value)
+    if display_width(value) <= width:
+        return value
+    out, used = [], 0
+    for char in value:
+        w = _char_width(char)
+        if used + w > width - 1:
+            break
+        out.append(char)
+        used += w
+    return "".join(out) + "…" if width > 0 else ""
+
+
+def pad(value: str, width: int, *, right: bool = False) -> str:
+    """:func:`cell` of ``value``, padded with spaces to exactly ``width`` columns (aligned
+    left, or right with ``right``)."""
+    text = cell(value, width)
+    fill = " " * max(0, width - display_width(text))
+    return fill + text if right else text + fill
 
 
 class TopicReader(abc.ABC, Generic[_T]):

@@ -92,5 +92,18 @@ def bad_input_records(device: str = "dev-bad", now: float | None = None) -> list
         ("ts-zero", "bad_timestamp", key, js("ts-zero", ts=0)),
         ("ts-milliseconds", "bad_timestamp", key, js("ts-milliseconds", ts=ts * 1000)),
         ("unknown-model", "unknown_model", key, js("unknown-model", model="resnet-9000")),
+        *((f"device-{kind}", "bad_device_id", bad_id.encode(), js(f"device-{kind}",
+                                                                device_id=bad_id))
+          for kind, bad_id in (("tab", "tab\tdev"), ("nul", "nul\x00dev"),
+                               ("rtl", "rtl-\u202e-abc"), ("257-chars", "d" * 257))),
+        ("tensor-and-image", "ambiguous_input", key, js("tensor-and-image",
+            image=base64.b64encode(png.getvalue()).decode())),
+        ("mp-tensor-and-image", "ambiguous_input", key, mp("mp-tensor-and-image",
+                                                          image=png.getvalue())),
+        ("raw-pixels", "out_of_range", key, mp("raw-pixels", tensor={
+            "dtype": "uint8", "shape": [8, 8], "data": bytes([255] * 64)})),
+        ("float-out-of-range", "out_of_range", key, js("float-out-of-range", tensor={
+            "dtype": "<f4", "shape": [8, 8],
+            "data": base64.b64encode((digit.astype("<f4") - 1).tobytes()).decode()})),
     ]
     return [BadInput(*record) for record in records]

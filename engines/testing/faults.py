@@ -54,7 +54,7 @@ FAULTY_BACKEND = "faulty"
 #: Environment variable read by the ``faulty`` backend when it is loaded without ``faults=``:
 #: JSON, either a list of rules, one rule object, or
 #: ``{"backend": NAME, "pass_first": N, "rules": [...]}`` (see :func:`parse_faults`).
-#: Example: ``[{"match_first_value": -0.0625, "kind": "runtime", "times": 2}]``.
+#: Example: ``[{"match_first_value": 0.96875, "kind": "runtime", "times": 2}]``.
 FAULTS_ENV = "ENGINES_FAULTS"
 
 #: Error kinds a rule can inject.
@@ -87,10 +87,11 @@ class FaultRule:
         kind: ``"runtime"`` → :class:`EngineRuntimeError`, ``"oom"`` →
             :class:`OutOfMemoryError`, ``"timeout"`` → :class:`EngineTimeoutError` (all
             retriable), ``"input"`` → :class:`InputSpecError` (not retriable).
-        match_first_value: The marker value, e.g. ``-0.0625`` (a digits request whose first
-            pixel is -1, scaled by 1/16); None matches every batch. NaN never matches. Avoid
-            0.0 with real traffic: a worker's warm-up item is all zeros (it passes anyway when
-            loaded through the registry, see ``pass_first``).
+        match_first_value: The marker value, e.g. ``0.96875`` (a digits request whose first
+            pixel is 15.5, scaled by 1/16: a marker must lie inside the model's
+            ``request.value_range`` to reach the engine); None matches every batch. NaN never
+            matches. Avoid 0.0 with real traffic: a worker's warm-up item is all zeros (it
+            passes anyway when loaded through the registry, see ``pass_first``).
         probability: Chance that a match fires, in [0, 1].
         times: Most firings (per item for item rules); None for no limit.
         count: For item rules with ``times``: ``"batch"`` counts every batch failed because of

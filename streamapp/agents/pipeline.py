@@ -697,7 +697,7 @@ class InferencePipeline:
                 log.error("cannot produce even the small dead letter of %s (%s: %s)",
                           work.source, type(problem).__name__, problem)
                 return None
-            topic, key, value, outcome = self._unproducible(work, topic, value, problem)
+            topic, key, value, outcome = self._unproducible(work, topic, value, problem, outcome)
             if self._oversize(key, value) is not None:
                 log.error("cannot produce even the small dead letter of %s", work.source)
                 return None
@@ -864,7 +864,7 @@ class InferencePipeline:
                 log.error("cannot produce even the small dead letter of %s (%s: %s)",
                           work.source, type(problem).__name__, problem)
                 return None
-            topic, key, value, outcome = self._unproducible(work, topic, value, problem)
+            topic, key, value, outcome = self._unproducible(work, topic, value, problem, outcome)
 
     def _finish_unwritable(self, work: _Work, retry: RetryRecord | None) -> None:
         """Finish a record none of whose outcomes can be produced: it must not hold back its
@@ -936,11 +936,14 @@ class InferencePipeline:
         self._after_send(sent[0], sent[1], work, sent[2])
 
     def _unproducible(
-        self, work: _Work, topic: str, value: bytes, error: BaseException
+        self, work: _Work, topic: str, value: bytes, error: BaseException,
+        unsent: Outcome | None = None,
     ) -> tuple[str, bytes | None, bytes, Outcome]:
         """A small dead letter for an outcome that cannot be produced: reason
-        ``unproducible_outcome``, the source position, ids cut to :data:`MAX_ID_CHARS`, the
-        original key cut and value left out (their sizes and sha256 kept in ``extra``)."""
+        ``unproducible_outcome``, the source position, ids cut to :data:`MAX_ID_CHARS` (those
+        of ``unsent``, the outcome that could not be produced, where the request was not
+        decoded), the original key cut and value left out (their sizes and sha256 kept in
+        ``extra``)."""
         log.error(
             "cannot produce the outcome of %s to %s (%d bytes): %s: %s; sending a small dead "
             "letter instead", work.source, topic, len(value), type(error).__name__,
@@ -951,6 +954,10 @@ class InferencePipeline:
             f"the {topic} record for this request could not be produced "
             f"({type(error).__name__}: {_clip(str(error), _SMALL_MESSAGE_CHARS)}); the original "
             "value is omitted",
+            fields={} if unsent is None else {
+                name: getattr(unsent, name) for name in ("request_id", "device_id", "seq", "model")
+                if getattr(unsent, name) is not None
+            },
         )
         return self._dead_letter(work, failure, small=True)
 

@@ -52,6 +52,11 @@ class ModelConfig:
             ``request.allow_non_finite``, default false).
         image: How an ``image`` input is decoded (metadata ``image``), or None when the model
             takes tensors only.
+        value_range: ``(low, high)``: the values a request tensor may hold, inclusive, in the
+            request's units (before ``scale``/``offset``; metadata ``request.value_range``), or
+            None for no check. A value outside it is dead-lettered as ``out_of_range``: a model
+            answers confidently for inputs it was never trained on (raw 0–255 pixels for the
+            0–16 digits).
     """
 
     name: str
@@ -69,6 +74,7 @@ class ModelConfig:
     metadata: dict[str, Any]
     allow_non_finite: bool = False
     image: ImageConfig | None = None
+    value_range: tuple[float, float] | None = None
 
     @classmethod
     def from_dir(cls, directory: Path) -> ModelConfig:
@@ -97,6 +103,7 @@ class ModelConfig:
                 metadata=meta,
                 allow_non_finite=_strict_bool(meta["request"].get("allow_non_finite", False)),
                 image=image,
+                value_range=_value_range(meta["request"].get("value_range")),
             )
         except FileNotFoundError as exc:
             raise ConfigError(f"model folder {directory} has no metadata.json") from exc
@@ -201,6 +208,7 @@ class ModelConfig:
                 f"got {list(tensor.shape)}",
             )
         raw = tensor_to_array(tensor)
+        array = None
         if not self.allow_non_finite and raw.dtype.kind == "f":
             if self._may_overflow(raw.dtype):
                 self._check_finite(raw, raw)
@@ -211,8 +219,38 @@ class ModelConfig:
                 array = self._convert(raw)
                 if not bool(np.isfinite(array).all()):
                     self._check_finite(array, raw)
-                return array.reshape(self.item_shape)
+        if self.value_range is not None:
+            self._check_range(raw, *self.value_range)
+        if array is not None:
+            return array.reshape(self.item_shape)
         return self._to_input(raw)
+
+    def _check_range(self, raw: np.ndarray, low: float, high: float) -> None:
+        """Raise ``out_of_range`` when a value of ``raw`` (request units) is outside
+        ``[low, high]``; a bound the dtype cannot pass (0 for unsigned types) is not checked.
+        NaN and ±Inf pass: they reach this check only where the model allows them
+        (``request.allow_non_finite``)."""
+        if raw.dtype.kind in "iu":
+            limits = np.iinfo(raw.dtype)
+            check_low, check_high = limits.min < low, limits.max > high
+        else:
+            check_low = check_high = True
+            if self.allow_non_finite:
+                raw = np.where(np.isfinite(raw), raw, low)
+        if raw.size == 0 or not (check_low or check_high):
+            return
+        below = check_low and bool(raw.min() < low)
+        above = check_high and bool(raw.max() > high)
+        if not (below or above):
+            return
+        outside = (raw < low) | (raw > high)
+        first = tuple(int(i) for i in np.argwhere(outside)[0])
+        raise InvalidRequestError(
+            "out_of_range",
+            f"model {self.name!r} takes values from {low:g} to {high:g} (its metadata's "
+            f"request.value_range); the tensor holds {int(np.count_nonzero(outside))} value(s) "
+            f"outside it, the first {raw[first]} at index {list(first)}",
+        )
 
     def _check_finite(self, values: np.ndarray, raw: np.ndarray) -> None:
         finite = np.isfinite(values)
@@ -256,7 +294,8 @@ class ModelConfig:
                 "non_finite",
                 f"the tensor's values overflow {self.input_dtype} after pre-processing "
                 f"(× {self.scale} + {self.offset}); model {self.name!r} accepts values within "
-                f"{self.metadata['request'].get('value_range', 'its value range')}",
+                + (f"{self.value_range[0]:g} to {self.value_range[1]:g}"
+                   if self.value_range is not None else "its value range"),
             )
         return array.reshape(self.item_shape)
 
@@ -276,6 +315,20 @@ class ModelConfig:
             [{"label": labels[i], "score": score} for i, score in zip(row, row_scores, strict=True)]
             for row, row_scores in zip(order.tolist(), scores.tolist(), strict=True)
         ]
+
+
+def _value_range(value: Any) -> tuple[float, float] | None:
+    """Metadata ``request.value_range``: ``[low, high]``, finite numbers, low ≤ high; or
+    absent (None)."""
+    if value is None:
+        return None
+    if (not isinstance(value, list) or len(value) != 2
+            or not all(isinstance(v, int | float) and not isinstance(v, bool) for v in value)):
+        raise ValueError(f"request.value_range must be [low, high], got {value!r}")
+    low, high = float(value[0]), float(value[1])
+    if not (np.isfinite(low) and np.isfinite(high) and low <= high):
+        raise ValueError(f"request.value_range must be finite with low <= high, got {value!r}")
+    return low, high
 
 
 def _strict_bool(value: Any) -> bool:

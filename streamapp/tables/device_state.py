@@ -9,8 +9,10 @@ is what limits a table-updating agent to a few thousand messages per second
 
 A device is identified by its **record key** (raw bytes) when the outcome came from the request
 topic — the key routing and partitioning use — and by the request's ``device_id`` otherwise
-(retries). Records with neither (no key, undecodable value), or with a key longer than
-:data:`MAX_DEVICE_KEY_BYTES`, are not attributed to a device; metrics still count them.
+(retries). Records with neither (no key, undecodable value), with a key longer than
+:data:`MAX_DEVICE_KEY_BYTES`, and dead letters whose key is not a valid device id
+(:func:`streamapp.records.device_id_problem`: no view could show such a device) are not
+attributed to a device; metrics still count them.
 
 Counts are at-least-once like the pipeline: after a crash, requests that were processed but not
 committed are processed again and counted again (bounded by the in-flight window).
@@ -26,6 +28,7 @@ from typing import Any
 
 from streamapp.agents.observer import Outcome
 from streamapp.batching import BatchInfo
+from streamapp.records import device_id_problem
 from streamapp.tables.aggregates import (
     DeviceDelta,
     merge_bucket,
@@ -56,6 +59,15 @@ class FlushStats:
     buckets_expired: int = 0
     failures: int = 0
     unattributed: int = 0
+
+
+def _queryable(key: bytes) -> bool:
+    """Whether ``key`` is a device id the views answer for (the rule requests are checked with
+    at intake, :func:`streamapp.records.device_id_problem`)."""
+    try:
+        return device_id_problem(key.decode("utf-8")) is None
+    except UnicodeDecodeError:
+        return False
 
 
 class DeviceStateObserver:
@@ -103,6 +115,8 @@ class DeviceStateObserver:
             # from the event's key means the event belongs to another record: the device is the
             # device_id (same partition: both keys hash to it). A dead letter stays with the
             # record's key: its device_id (when readable) was never checked against the key.
+            if outcome.kind == "dead_letter" and not _queryable(key):
+                return None  # e.g. bad_device_id: no view could ever show this device
             if device is None or device == key or outcome.kind == "dead_letter":
                 return key, event
             return device, None

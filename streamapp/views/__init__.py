@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import faust
 
 from streamapp.views.devices import add_device_views
-from streamapp.views.errors import ApiError, ApiView
+from streamapp.views.errors import ApiError, ApiView, json_http_errors
 from streamapp.views.health import add_health_views
 from streamapp.views.limits import WebLimits
 from streamapp.views.metrics import add_metrics_view
@@ -31,12 +31,14 @@ ENDPOINTS: tuple[tuple[str, str, str, str], ...] = (
     ("GET", "/health", "",
      "Liveness: 200 `{\"status\": \"ok\"}` while the event loop answers."),
     ("GET", "/ready", "",
-     "200 when partitions are assigned, every engine is loaded and warmed up, the tables are "
-     "recovered and their partition count matches the request and retry topics' "
-     "(`table_partitions_match`; docs/tables.md), and a broker accepts connections; 503 "
-     "otherwise. Body: `ready`, `checks`, `assigned`, `engines`, `state` (`ok`, or `degraded` "
-     "while device state is degraded: kept in memory only, e.g. a full disk, which alone keeps "
-     "200, or partition counts that differ) and `degraded` (why, by component)."),
+     "Readiness: 200 when partitions are assigned, every engine is loaded and warmed up, the "
+     "tables are recovered and their partition count matches the request and retry topics' "
+     "(`table_partitions_match`; docs/tables.md), a bootstrap server answers a Kafka request "
+     "within `ready_probe_timeout_ms` and, while records wait, the worker made progress within "
+     "`ready_stall_s`; 503 otherwise. Body: `ready`, `checks` (name → bool), `problems` "
+     "(failing check → why), `assigned`, `engines`, `state` (`ok`, or `degraded` while device "
+     "state is degraded: kept in memory only, e.g. a full disk, which alone keeps 200, or "
+     "partition counts that differ) and `degraded` (why, by component)."),
     ("GET", "/engines", "",
      "Per model: backend, engine tag (version + model/plan hash), device, precision, "
      "max batch size."),
@@ -72,8 +74,9 @@ def api_reference() -> str:
 
 
 def install_views(app: faust.App, state: WorkerState) -> WebLimits:
-    """Register every endpoint of :data:`ENDPOINTS` on ``app``, behind the bounds of
-    :mod:`streamapp.views.limits` (``web_max_concurrent_requests``,
+    """Register every endpoint of :data:`ENDPOINTS` on ``app``, answer paths no endpoint
+    serves with JSON errors too (:func:`~streamapp.views.errors.json_http_errors`), behind the
+    bounds of :mod:`streamapp.views.limits` (``web_max_concurrent_requests``,
     ``web_max_requests_per_s``, ``web_cache_ms``).
 
     Returns:
@@ -81,7 +84,9 @@ def install_views(app: faust.App, state: WorkerState) -> WebLimits:
     """
     settings = state.settings
     limits = WebLimits(settings.web_max_concurrent_requests, settings.web_max_requests_per_s)
-    # faust.web.Web's type has no web_app; the aiohttp driver (the only one) has
+    # faust.web.Web's type has no web_app; the aiohttp driver (the only one) has. The JSON
+    # errors outermost: a refusal by the bounds is JSON already.
+    app.web.web_app.middlewares.append(json_http_errors)  # type: ignore[attr-defined]
     app.web.web_app.middlewares.append(limits.middleware())  # type: ignore[attr-defined]
     cache_s = settings.web_cache_ms / 1000.0
     add_health_views(app, state)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
+from aiohttp import web
 from faust.web import View
 
-__all__ = ["ApiError", "ApiView"]
+__all__ = ["ApiError", "ApiView", "json_http_errors"]
 
 log = logging.getLogger(__name__)
 
@@ -49,3 +51,29 @@ class ApiView(View):
                 status=500,
             )
 
+
+
+@web.middleware
+async def json_http_errors(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """aiohttp's own errors as JSON like every other answer: 404 ``not_found`` for a path no
+    endpoint serves, 405 ``method_not_allowed`` (aiohttp answers them in plain text)."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400 or exc.content_type == "application/json":
+            raise
+        if exc.status == 404:
+            code, message = "not_found", (
+                f"no endpoint serves {request.path}; the endpoints are /health, /ready, "
+                "/engines, /metrics, /cluster, /devices, /devices/{device_id} and "
+                "/devices/{device_id}/windows (docs/api.md)")
+        elif exc.status == 405:
+            code, message = "method_not_allowed", (
+                f"{request.method} is not allowed on {request.path}; the web API answers GET")
+        else:
+            code, message = exc.reason.lower().replace(" ", "_"), exc.reason
+        return web.json_response({"error": code, "message": message, "status": exc.status},
+                                 status=exc.status, headers={
+                                     k: v for k, v in exc.headers.items() if k == "Allow"})

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from typing import TYPE_CHECKING, Any
 
 import faust
@@ -15,32 +13,7 @@ from streamapp.views.params import check_params
 if TYPE_CHECKING:
     from streamapp.state import WorkerState
 
-__all__ = ["add_health_views", "broker_reachable"]
-
-#: Seconds one TCP connect to a bootstrap server may take in a readiness check.
-REACH_TIMEOUT_S = 1.0
-
-
-async def broker_reachable(bootstrap_servers: str, timeout_s: float = REACH_TIMEOUT_S) -> bool:
-    """Whether any of ``"host:port,host2:port"`` accepts a TCP connection within ``timeout_s``.
-
-    A connect, not a Kafka request: cheap enough for every ``/ready`` call, and enough to tell
-    a worker cut off from every broker (its consumer and producer retry silently meanwhile).
-    """
-
-    async def _one(server: str) -> bool:
-        host, _, port = server.strip().rpartition(":")
-        try:
-            _, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), timeout_s)
-        except (OSError, TimeoutError, ValueError):
-            return False
-        writer.close()
-        with contextlib.suppress(OSError):
-            await writer.wait_closed()
-        return True
-
-    servers = [s for s in bootstrap_servers.split(",") if s.strip()]
-    return any(await asyncio.gather(*(_one(s) for s in servers)))
+__all__ = ["add_health_views"]
 
 
 def add_health_views(app: faust.App, state: WorkerState) -> None:
@@ -55,24 +28,29 @@ def add_health_views(app: faust.App, state: WorkerState) -> None:
     @app.page("/ready")
     class Ready(ApiView):
         """200 when partitions are assigned, engines warmed up, tables recovered, their
-        partition count matches the topics' and a broker accepts connections; else 503.
-        ``state`` is ``degraded`` (with the reasons in ``degraded``) while device state is
-        degraded; rows kept in memory only (a full disk) alone keep 200."""
+        partition count matches the topics', a broker answers a Kafka request and the worker
+        makes progress while records wait; else 503. ``state`` is ``degraded`` (with the
+        reasons in ``degraded``) while device state is degraded; rows kept in memory only (a
+        full disk) alone keep 200."""
 
         async def get(self, request: Request) -> Response:
             check_params(request.query, ())
             checks = state.readiness()
-            checks["broker_reachable"] = await broker_reachable(state.settings.bootstrap_servers)
+            broker, problems = await state.broker_checks()
+            checks.update(broker)
             ready = all(checks.values())
+            degraded = state.degraded()  # served and kept, but not as it should be
+            if "table_partitions" in degraded:
+                problems["table_partitions_match"] = degraded["table_partitions"]
             body: dict[str, Any] = {
                 "ready": ready,
                 "checks": checks,
+                "problems": problems,
                 "assigned": [f"{t}:{p}" for t, p in state.assigned()],
                 "url": state.url,
                 **state.runtime.describe(),
             }
             body["ready"] = ready  # describe() has the runtime's own flag
-            degraded = state.degraded()  # served and kept, but not as it should be
             body["state"] = "degraded" if degraded else "ok"
             body["degraded"] = degraded
             return self.json(body, status=200 if ready else 503)

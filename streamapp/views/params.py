@@ -6,12 +6,10 @@ import urllib.parse
 from collections.abc import Collection, Mapping
 from typing import Any, TypeVar
 
+from streamapp.records import device_id_problem
 from streamapp.views.errors import ApiError
 
 __all__ = ["check_params", "choice", "device_id_from_path", "device_key", "int_param"]
-
-#: Longest device id accepted in a URL (characters).
-MAX_DEVICE_ID_CHARS = 256
 
 T = TypeVar("T", bound=str)
 
@@ -19,30 +17,19 @@ T = TypeVar("T", bound=str)
 def device_key(device_id: str) -> bytes:
     """The table key of a device id from the URL path: its UTF-8 bytes.
 
+    The id must follow the rule requests are checked with at intake
+    (:func:`streamapp.records.device_id_problem`), so that every device the worker records can
+    be asked for and no other.
+
     Raises:
-        ApiError: 400 when the id is empty, too long, not valid UTF-8 or holds control
-            characters.
+        ApiError: 400 ``bad_device_id`` when the id is empty, longer than 256 characters or
+            holds a control, format or separator character.
     """
-    if not device_id:
-        raise ApiError(400, "bad_device_id", "the device id is empty")
-    if len(device_id) > MAX_DEVICE_ID_CHARS:
-        raise ApiError(
-            400, "bad_device_id",
-            f"the device id is {len(device_id)} characters long; at most "
-            f"{MAX_DEVICE_ID_CHARS} are allowed",
-        )
-    if "\ufffd" in device_id:
-        raise ApiError(400, "bad_device_id", "the device id is not valid percent-encoded UTF-8")
-    if not device_id.isprintable():
-        raise ApiError(
-            400, "bad_device_id",
-            f"the device id {device_id!r} holds control characters; device ids are printable "
-            "text (percent-encode them in the URL)",
-        )
-    try:
-        return device_id.encode("utf-8")
-    except UnicodeEncodeError:  # lone surrogates
-        raise ApiError(400, "bad_device_id", "the device id is not valid UTF-8") from None
+    problem = device_id_problem(device_id)
+    if problem is not None:
+        shown = device_id if len(device_id) <= 64 else device_id[:61] + "..."
+        raise ApiError(400, "bad_device_id", f"the device id {shown!r} {problem}")
+    return device_id.encode("utf-8")
 
 
 def device_id_from_path(request: Any, index: int = 2) -> str:

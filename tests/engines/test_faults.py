@@ -36,7 +36,7 @@ from engines.testing import (
 from streamapp.models import ModelRepository
 from streamapp.records import InferenceRequest, TensorPayload
 
-MARK = -0.0625
+MARK = 0.96875  # 15.5 / 16: a digits pixel of 15.5 (real ones are whole numbers)
 
 #: The test backends ("faulty" wraps real ones) are registered for every test here.
 pytestmark = pytest.mark.usefixtures("test_backends")
@@ -354,11 +354,12 @@ def _base_env() -> dict[str, str]:
 
 
 def test_digits_request_with_the_marker_pixel_fails_on_the_real_model() -> None:
-    """The documented recipe: a float32 request whose first pixel is -1 is pre-processed to
-    -1/16 = -0.0625 and so matches ``match_first_value: -0.0625``."""
+    """The documented recipe: a float32 request whose first pixel is 15.5 (inside the model's
+    0-16 range; real pixels are whole numbers) is pre-processed to 15.5/16 = 0.96875 and so
+    matches ``match_first_value: 0.96875``."""
     digits = ModelRepository().get("digits")
     pixels = np.zeros((8, 8), np.float32)
-    pixels[0, 0] = -1.0
+    pixels[0, 0] = 15.5
     request = InferenceRequest(
         "r",
         "d",
@@ -370,7 +371,8 @@ def test_digits_request_with_the_marker_pixel_fails_on_the_real_model() -> None:
     poison = digits.preprocess(request)
     good = digits.preprocess(
         InferenceRequest(
-            "g", "d", 1, 1.7e9, "digits", tensor=TensorPayload("uint8", (8, 8), bytes(range(64)))
+            "g", "d", 1, 1.7e9, "digits",
+            tensor=TensorPayload("uint8", (8, 8), bytes(i % 17 for i in range(64))),
         )
     )
     engine = registry.load_engine(

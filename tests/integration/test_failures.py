@@ -7,11 +7,13 @@ configured.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import numpy as np
 import pytest
@@ -216,3 +218,19 @@ async def test_every_kind_of_bad_input_between_good_traffic_gets_its_dead_letter
     assert worker.process is not None and worker.process.pid == pid
     assert worker.process.poll() is None
     assert worker.get("/ready")[0] == 200
+    # every device the worker lists can be asked for (issue 19): the records with a device id
+    # no view takes (tab, NUL, U+202E, 257 characters) are dead letters of no device
+    keyed = sum(1 for key, _ in records if key == b"dev-f")
+    deadline = time.monotonic() + 30
+    while _device_total(worker, "dev-f") < keyed:  # the state flush of the last records
+        assert time.monotonic() < deadline, worker.get("/devices/dev-f")
+        await asyncio.sleep(0.2)
+    status, listing = worker.get("/devices?limit=1000")
+    listed = [d["device_id"] for d in listing["devices"]]
+    assert status == 200 and sorted(listed) == ["dev-f", "dev-other"]
+    assert [worker.get("/devices/" + quote(d, safe=""))[0] for d in listed] == [200, 200]
+
+
+def _device_total(worker: WorkerProcess, device: str) -> int:
+    status, body = worker.get(f"/devices/{device}")
+    return int(body["total"]) if status == 200 else 0

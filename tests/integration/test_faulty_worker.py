@@ -27,10 +27,11 @@ async def test_worker_with_faulty_backend_from_the_environment(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # Non-retriable "input" failures for any batch holding the marker (-1/16 after scaling).
+    # Non-retriable "input" failures for any batch holding the marker (15.5/16 after
+    # scaling: real digits are whole numbers, and -1 would be out of the model's range).
     monkeypatch.setenv(
         "ENGINES_FAULTS",
-        json.dumps([{"match_first_value": -0.0625, "kind": "input"}]),
+        json.dumps([{"match_first_value": 0.96875, "kind": "input"}]),
     )
     # Test-only backends exist only where a test registers them: the worker process gets
     # "faulty" through the registry's plugin hook.
@@ -47,7 +48,7 @@ async def test_worker_with_faulty_backend_from_the_environment(
     images, _ = load_digits_frames()
     good = digits_requests(images, devices=4, indices=range(40))
     pixels = images[0].astype(np.float32)
-    pixels[0, 0] = -1.0
+    pixels[0, 0] = 15.5
     poison = InferenceRequest(
         "poison-1", "device-00", 1000, 0.0, "digits",
         tensor=TensorPayload("float32", (8, 8), pixels.tobytes()),

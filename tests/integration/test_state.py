@@ -184,7 +184,8 @@ async def test_two_workers_answer_for_every_device_with_the_counts_that_were_sen
     status, _, body = _get(w1, "/ready")
     assert status == 200 and body["checks"] == {
         "partitions_assigned": True, "engines_warm": True, "tables_recovered": True,
-        "table_partitions_match": True, "broker_reachable": True}
+        "table_partitions_match": True, "broker_responsive": True, "making_progress": True}
+    assert body["problems"] == {}
 
     def split() -> bool:  # both ready and owning disjoint halves of the 4 partitions
         owned = []

@@ -149,7 +149,7 @@ async def test_single_broker_restart_worker_recovers_by_itself(
         kafka.stop_node(0)  # SIGTERM; the data stays on disk
         down = time.monotonic()
         checks = await _wait_ready_status(worker, 503)
-        assert checks["broker_reachable"] is False
+        assert checks["broker_responsive"] is False
         await asyncio.to_thread(kafka.start_node, 0)
         before = await _results(kafka.bootstrap_servers, settings)
         resumed = await _wait_results(kafka.bootstrap_servers, settings, before + 1, worker)

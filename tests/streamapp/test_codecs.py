@@ -277,6 +277,36 @@ def test_truncated_msgpack_map() -> None:
     assert "msgpack" in error.message
 
 
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (b"\x81\xa1a" + b"\x91" * 3000 + b"\xc0",
+         "cannot decode msgpack: arrays or maps are nested too deeply"),
+        (b"\x81\xa1a\xc1", "cannot decode msgpack: it holds a byte that starts no msgpack "
+                            "value (such as 0xc1)"),
+        (b"\x81\xa1a\x01extra", "cannot decode msgpack: more bytes follow the first value; "
+                                 "send one map per record"),
+        (b"\x82\xa1a\x01", "cannot decode msgpack: it ends in the middle of a value "
+                           "(truncated?)"),
+        (b"\x81\xa1a\xa2\xff\xfe", "cannot decode msgpack: a string is not valid UTF-8 "
+                                   "(byte 0xff)"),
+        (b'{"seq": ' + b"1" * 5000 + b"}",
+         "cannot decode JSON: an integer has more than 4300 digits; no field takes such a "
+         "number"),
+        (b"[" * 100_000, "cannot decode JSON: arrays or objects are nested too deeply"),
+        (b'{"a": "\xff"}', "cannot decode JSON: it is not UTF-8 (byte 0xff at 7); send UTF-8 "
+                          "JSON"),
+    ],
+    ids=["msgpack-deep", "msgpack-0xc1", "msgpack-extra", "msgpack-truncated",
+         "msgpack-not-utf8", "json-huge-int", "json-deep", "json-not-utf8"],
+)
+def test_decode_failures_are_said_in_words_not_python_internals(value: bytes, message: str) -> None:
+    error = rejection(value)
+
+    assert error.message == message
+    assert "sys." not in error.message and "Error" not in error.message
+
+
 def test_msgpack_map_with_non_string_key() -> None:
     error = rejection(msgpack.packb({1: "x"}))
 
@@ -298,7 +328,7 @@ def test_msgpack_map_with_non_string_key() -> None:
         (as_json(json_body(device_id="")), "'device_id'"),
         (as_json(json_body(model=["digits"])), "'model'"),
         (as_json(json_body(tensor=[1, 2])), "'tensor'"),
-        (as_json(json_body(image=12)), "'image'"),
+        (as_json(json_body(tensor=None, image=12)), "'image'"),
         (as_json(tensor_body(dtype=5)), "'dtype'"),
         (as_json(tensor_body(shape="8x8")), "'shape'"),
         (as_json(tensor_body(data=[0] * 64)), "'tensor.data'"),
@@ -421,12 +451,64 @@ def test_huge_claimed_shape_is_rejected_before_allocating() -> None:
     assert peak < 1 << 20
 
 
-@pytest.mark.parametrize("dtype", ["object", "<U4", "V8", "bool", "complex64", ">f4", "float"])
+@pytest.mark.parametrize(
+    "dtype", ["object", "<U4", "V8", "bool", "complex64", "float", "|f4", "<float32", "f16", ""]
+)
 def test_bad_dtype(dtype: str) -> None:
     error = rejection(as_json(tensor_body(dtype=dtype)))
 
     assert error.reason == "bad_dtype"
-    assert repr(dtype) in error.message and "uint8" in error.message
+    assert repr(dtype) in error.message and "uint8" in error.message and "'<f4'" in error.message
+
+
+@pytest.mark.parametrize("codec", ["json", "msgpack"])
+@pytest.mark.parametrize(
+    ("spelling", "name"),
+    [("<f4", "float32"), ("=f4", "float32"), ("f4", "float32"), ("|u1", "uint8"),
+     ("<u1", "uint8"), (">u1", "uint8"), ("<i8", "int64"), ("<f2", "float16"),
+     (">f4", "float32"), (">i2", "int16"), (">f8", "float64")],
+)
+def test_numpy_dtype_spellings_give_the_same_tensor(codec: str, spelling: str, name: str) -> None:
+    values = (np.arange(64) % 17).reshape(8, 8).astype(name)
+    data = values.astype(np.dtype(spelling)).tobytes()  # in the spelling's own byte order
+    carried = data if codec == "msgpack" else base64.b64encode(data).decode()
+    body = json_body(tensor={"dtype": spelling, "shape": [8, 8], "data": carried})
+    value = msgpack.packb(body, use_bin_type=True) if codec == "msgpack" else as_json(body)
+
+    request = decode_request(value)
+
+    assert request.tensor is not None and request.tensor.dtype == name
+    np.testing.assert_array_equal(tensor_to_array(request.tensor), values)
+
+
+@pytest.mark.parametrize("codec", ["json", "msgpack"])
+def test_a_request_with_both_a_tensor_and_an_image_is_ambiguous(codec: str) -> None:
+    png = b"\x89PNG\r\n\x1a\n" + bytes(16)
+    body = json_body(image=png if codec == "msgpack" else base64.b64encode(png).decode())
+    value = msgpack.packb(body, use_bin_type=True) if codec == "msgpack" else as_json(body)
+
+    error = rejection(value)
+
+    assert error.reason == "ambiguous_input"
+    assert "both 'tensor' and 'image'" in error.message and "exactly one" in error.message
+    assert error.fields["request_id"] == "r-1"  # the dead letter names the request
+
+
+@pytest.mark.parametrize(
+    ("device_id", "named"),
+    [("tab\tdev", "U+0009 (a control character) at index 3"),
+     ("nul\x00dev", "U+0000 (a control character) at index 3"),
+     ("rtl-\u202e-abc", "U+202E (a format character) at index 4"),
+     ("zw\u200bsp", "U+200B (a format character)"),
+     ("line\u2028sep", "U+2028 (a line separator)"),
+     ("d" * 257, "is 257 characters long; at most 256 are allowed")],
+    ids=["tab", "nul", "rtl-override", "zero-width-space", "line-separator", "257-chars"],
+)
+def test_a_device_id_no_view_could_answer_for_is_rejected(device_id: str, named: str) -> None:
+    error = rejection(as_json(json_body(device_id=device_id)))
+
+    assert error.reason == "bad_device_id"
+    assert named in error.message and error.message.startswith("field 'device_id' ")
 
 
 @pytest.mark.parametrize(
@@ -452,6 +534,8 @@ def test_every_decode_reason_is_reachable() -> None:
         "bad_dtype": lambda: as_json(tensor_body(dtype="object")),
         "bad_shape": lambda: as_json(tensor_body(shape=[-8, -8])),
         "bad_timestamp": lambda: as_json(json_body(ts=0)),
+        "bad_device_id": lambda: as_json(json_body(device_id="tab\tdev")),
+        "ambiguous_input": lambda: as_json(json_body(image="")),
     }
     seen = {name: rejection(make()).reason for name, make in cases.items()}
 
@@ -463,6 +547,7 @@ def test_every_decode_reason_is_reachable() -> None:
         "unknown_model",
         "unsupported_input",
         "non_finite",
+            "out_of_range",
         "undecodable_image",
         "image_too_large",
         "duplicate_request_id",
@@ -534,7 +619,7 @@ def msgpack_body(**changes: Any) -> bytes:
         (as_json(tensor_body(data=None) | {"tensor": {"dtype": "uint8", "shape": [8, 8],
                                                      "data": 7}}), "'tensor.data'"),
         (as_json(json_body(tensor=None, image={"png": "AAAA"})), "'image'"),
-        (as_json(json_body(image=True)), "'image'"),
+        (as_json(json_body(tensor=None, image=True)), "'image'"),
     ],
     ids=[
         "mp-shape-string", "mp-shape-map", "mp-dtype-bytes", "mp-data-int", "mp-data-nil",

@@ -28,6 +28,7 @@ from streamapp.exceptions import BrokerError
 from streamapp.kafka import create_topics
 from streamapp.records import DeadLetter
 from streamapp.settings import Settings, load_settings
+from streamapp.tail import display_width
 
 NOW = 1_800_000_000.0
 
@@ -100,6 +101,19 @@ def test_table_is_aligned_and_fits_the_width() -> None:
     assert "inference-request[2]@122" in lines[2]
     assert format_entries([], header=False) == ""
     assert format_entries([]).split() == lines[0].split()
+
+
+@pytest.mark.parametrize("fixed", [False, True])
+def test_an_80_column_terminal_gets_rows_of_at_most_79_columns(fixed: bool) -> None:
+    entries = [entry(1, device="camera-front-door-left"), entry(22, device="摄像头-大门-左侧")]
+
+    lines = format_entries(entries, width=80, fixed=fixed).splitlines()
+
+    assert max(display_width(line) for line in lines) <= 79
+    # stage and source are left out first; every other column stays, aligned
+    assert lines[0].split() == ["TIME", "DEVICE", "REQUEST_ID", "REASON", "MESSAGE"]
+    reason_at = lines[0].index("REASON")
+    assert all(display_width(line[:line.index("bad_")]) == reason_at for line in lines[1:])
 
 
 def test_fixed_tables_line_up_across_calls() -> None:

@@ -90,6 +90,7 @@ async def test_gauges_are_refreshed_at_scrape_time_and_a_failing_refresher_is_co
     async def refresh(g: WorkerGauges) -> None:
         g.ready, g.inflight_batches, g.pending_requests = True, 2, 40
         g.lag = {("req", 0): 7, ("req", 1): 0}
+        g.backlog = {("req", 0): 1_073, ("req", 1): 12}
         g.assigned = {"req": 2}
         g.engines = {"digits": {"backend": "tensorrt", "engine": "trt-10:ab12", "device": "cuda:0",
                                 "precision": "fp16", "max_batch_size": 64}}
@@ -103,6 +104,8 @@ async def test_gauges_are_refreshed_at_scrape_time_and_a_failing_refresher_is_co
     assert s["streamapp_ready"][()] == 1
     assert s["streamapp_inflight_batches"][()] == 2
     assert s["streamapp_consumer_lag"][(("partition", "0"), ("topic", "req"))] == 7
+    assert s["streamapp_backlog_records"][(("partition", "0"), ("topic", "req"))] == 1_073
+    assert s["streamapp_backlog_records"][(("partition", "1"), ("topic", "req"))] == 12
     assert s["streamapp_assigned_partitions"][(("topic", "req"),)] == 2
     (info_labels,) = s["streamapp_engine_info"]
     assert dict(info_labels)["precision"] == "fp16"
@@ -135,6 +138,7 @@ async def test_every_exported_family_is_documented_and_every_documented_one_expo
 
     async def refresh(g: WorkerGauges) -> None:
         g.lag = {("req", 0): 1}
+        g.backlog = {("req", 0): 1}
         g.highwater = {("req", 0): 1}
         g.assigned = {"req": 1}
         g.engines = {"digits": {"backend": "onnxruntime"}}

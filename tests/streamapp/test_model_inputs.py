@@ -271,7 +271,7 @@ def test_non_finite_allowed_when_the_model_says_so(tmp_path: Path) -> None:
 
 
 def test_values_that_overflow_the_engine_dtype_are_non_finite(tmp_path: Path) -> None:
-    model = _model_with(tmp_path, dtypes=["float64"])
+    model = _model_with(tmp_path, dtypes=["float64"], value_range=None)  # no range to check
     digit = np.zeros((8, 8), dtype=np.float64)
     digit[0, 0] = 1e300  # finite in float64, inf in the engine's float32
 
@@ -281,10 +281,54 @@ def test_values_that_overflow_the_engine_dtype_are_non_finite(tmp_path: Path) ->
     assert "overflow" in error.message
 
 
-def test_integer_tensors_are_never_non_finite(digits: ModelConfig) -> None:
-    array = digits.preprocess(request_for(np.full((8, 8), 255, dtype=np.uint8)))
+def test_integer_tensors_are_never_non_finite(tmp_path: Path) -> None:
+    model = _model_with(tmp_path, value_range=None)
+    array = model.preprocess(request_for(np.full((8, 8), 255, dtype=np.uint8)))
 
     assert np.isfinite(array).all()
+
+
+# -- request.value_range ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("dtype", "value", "shown"),
+    [("uint8", 255, "255"), ("float32", 255.0, "255.0"), ("float32", -0.5, "-0.5"),
+     ("float32", 16.001, "16.00")],
+)
+def test_values_outside_the_declared_range_are_out_of_range(
+    digits: ModelConfig, dtype: str, value: float, shown: str
+) -> None:
+    digit = np.full((8, 8), 3, dtype=dtype)
+    digit[2, 5] = value  # raw 0-255 pixels are the common mistake
+    digit[7, 7] = value
+
+    error = rejection(digits, request_for(digit))
+
+    assert error.reason == "out_of_range"
+    assert "takes values from 0 to 16" in error.message
+    assert "2 value(s) outside it" in error.message and f"first {shown}" in error.message
+    assert "at index [2, 5]" in error.message
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "float32"])
+def test_values_at_the_bounds_of_the_range_are_taken(digits: ModelConfig, dtype: str) -> None:
+    digit = np.zeros((8, 8), dtype=dtype)
+    digit[0, :] = 16
+
+    array = digits.preprocess(request_for(digit))
+
+    assert array[0, 0, 0] == 1.0 and array[0, 1, 0] == 0.0  # x / 16
+
+
+def test_the_bundled_models_declare_their_value_range() -> None:
+    assert ModelRepository().get("digits").value_range == (0.0, 16.0)
+
+
+@pytest.mark.parametrize("value", [[16, 0], [0], [0, "16"], [0, float("inf")], "0-16", [True, 1]])
+def test_a_bad_value_range_is_a_config_error(tmp_path: Path, value: object) -> None:
+    with pytest.raises(ConfigError, match="value_range"):
+        _model_with(tmp_path, value_range=value)
 
 
 @pytest.mark.parametrize("value", ["false", 0, None])

@@ -24,6 +24,7 @@ from streamapp.results import (
     format_result_line,
 )
 from streamapp.settings import Settings, load_settings
+from streamapp.tail import display_width
 from tests.conftest import Broker
 
 
@@ -66,6 +67,18 @@ def test_lines_line_up_with_the_header() -> None:
     for name in ("MODEL", "LABEL"):
         start = RESULT_HEADER.index(name)
         assert all(line[start] != " " and line[start - 1] == " " for line in lines[1:])
+
+
+@pytest.mark.parametrize("device", ["摄像头大门左侧第二台", "tab\tdevice\nname", "カメラ-７"])
+def test_wide_and_control_characters_keep_the_line_in_its_columns(device: str) -> None:
+    plain = format_result_line(entry(result()))
+    line = format_result_line(entry(result(device_id=device), key=device.encode()))
+
+    assert "\t" not in line and "\n" not in line
+    assert display_width(line) <= 79
+    # the seq column ends where it ends for an ASCII device: columns, not characters, count
+    seq_end = display_width(plain[: plain.index("1234") + 4])
+    assert display_width(line[: line.index("1234") + 4]) == seq_end
 
 
 def test_long_cells_are_cut_and_the_model_hash_is_kept() -> None:

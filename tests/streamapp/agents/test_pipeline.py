@@ -696,26 +696,22 @@ class RecordingFaultyEngine(FaultyEngine):
         return [(len(items), failed) for items, failed in self.calls if item in items]
 
 
-#: The issue-19 fault: every batch holding an item whose first pixel is -1 fails (retriable).
-MINUS_ONE_RULE = {"match_first_value": -1.0 / 16.0, "kind": "runtime"}
-
-
-def minus_one(images: np.ndarray, i: int) -> np.ndarray:
-    pixels = images[i].astype(np.float32)
-    pixels[0, 0] = -1.0
-    return pixels
+#: The issue-19 fault: every batch holding an item whose first pixel is the marker fails
+#: (retriable). The issue used -1, which the digits model's value range (0-16) now refuses at
+#: intake, so the marker is POISON (15.5), inside the range.
+MARKED_RULE = {"match_first_value": float(POISON) / 16.0, "kind": "runtime"}
 
 
 async def test_a_poison_request_costs_each_neighbour_one_extra_engine_run(
     start_pipeline: StartPipeline, images: np.ndarray
 ) -> None:
-    engine = RecordingFaultyEngine(FakeEngine(), [MINUS_ONE_RULE])
+    engine = RecordingFaultyEngine(FakeEngine(), [MARKED_RULE])
     sink, source = FakeSink(), Source()
     pipeline = await start_pipeline(
         ThreadExecutor(engine, max_inflight=2), sink, max_batch_size=8,
         max_batch_delay_ms=60_000.0,
     )
-    frames = [minus_one(images, i) if i == 3 else images[i].astype(np.float32)
+    frames = [poison_pixels(images, i) if i == 3 else images[i].astype(np.float32)
               for i in range(8)]
     assert len({f.tobytes() for f in frames}) == 8
     await pipeline.handle_many([
@@ -738,13 +734,13 @@ async def test_a_poison_request_costs_each_neighbour_one_extra_engine_run(
 async def test_retries_and_a_failing_device_run_alone_never_with_healthy_requests(
     start_pipeline: StartPipeline, images: np.ndarray
 ) -> None:
-    engine = RecordingFaultyEngine(FakeEngine(), [MINUS_ONE_RULE])
+    engine = RecordingFaultyEngine(FakeEngine(), [MARKED_RULE])
     sink, source, store = FakeSink(), Source(), MemoryRetryStore()
     pipeline = await start_pipeline(
         ThreadExecutor(engine, max_inflight=2), sink, max_batch_size=4,
         max_batch_delay_ms=20.0, retry_store=store, max_retries=1,
     )
-    poison = minus_one(images, 0)
+    poison = poison_pixels(images, 0)
     await pipeline.handle_many([
         good(source, poison, "bad", 0),
         *(good(source, images[i], f"ok-{i}", 0) for i in (1, 2, 3)),
@@ -760,7 +756,7 @@ async def test_retries_and_a_failing_device_run_alone_never_with_healthy_request
     healthy = [images[i].astype(np.float32) for i in (4, 5, 6, 7)]
     await pipeline.handle_many([
         retry,
-        good(source, minus_one(images, 8), "bad", 1),
+        good(source, poison_pixels(images, 8), "bad", 1),
         *(good(source, f, f"ok-{i}", 1) for i, f in enumerate(healthy)),
     ])
     await wait_for(lambda: len(source.acked) == 4 + 6)
@@ -964,11 +960,12 @@ def _long_id_request(pixels: np.ndarray, *, request_id: str, device: str = "dev-
         # a valid request whose result (it repeats the request_id) is over the producer limit
         ("long-request-id", lambda px: (
             b"dev-a", _long_id_request(px, request_id="r" * 999_600), "r" * 999_600, "dev-a")),
-        # a valid request of a 600,000-character device (the key matches): result 1.2 MB
+        # a 600,000-character device id (the key matches): dead-lettered as bad_device_id,
+        # and that letter, holding key and value, is 1.4 MB (its ids already cut to 256)
         ("long-device-id", lambda px: (
             b"d" * 600_000, json.dumps({**json.loads(request_value(px, "d" * 600_000, 0)),
                                         "request_id": "long-dev"}).encode(),
-            "long-dev", "d" * 600_000)),
+            "long-dev", "d" * 256)),
         # an 800,000-byte key with value [1]: its own dead letter would be 1.87 MB
         ("huge-key-bad-value", lambda px: (b"k" * 800_000, b"[1]", None, None)),
     ],

@@ -174,7 +174,7 @@ def test_float_tensors_reach_the_engine_without_a_copy() -> None:
     config = ModelRepository().get("digits")
     identity = type(config)(**{**config.__dict__, "scale": 1.0, "offset": 0.0,
                                "metadata": meta})
-    data = np.arange(64, dtype=np.float32).tobytes()
+    data = (np.arange(64) % 17).astype(np.float32).tobytes()  # the model's range, 0..16
     request = InferenceRequest("r", "d", 0, 1.7e9, "digits",
                                tensor=TensorPayload("float32", (8, 8), data))
 

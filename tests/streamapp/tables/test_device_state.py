@@ -120,9 +120,15 @@ async def test_the_record_key_identifies_the_device_and_retries_use_device_id() 
     anonymous = result("x", 0, 1_000.0, key=b"", kind="dead_letter", reason="invalid_json")
     anonymous.device_id = None
     observer.on_outcome(anonymous)
+    # keys no view could be asked for (issue 19): their dead letters are not attributed, so
+    # /devices never lists a device that /devices/{id} refuses
+    for bad in ("tab\tdev", "nul\x00dev", "rtl-\u202e-abc", "d" * 257):
+        observer.on_outcome(result(bad, 0, 1_000.0, kind="dead_letter", reason="bad_device_id"))
+    observer.on_outcome(result("x", 0, 1_000.0, key=b"\xff\xfe", kind="dead_letter",
+                               reason="key_mismatch"))
     await observer.flush()
     assert sorted(tables.stats) == [b"cam1", b"gateway-key"]
-    assert observer.stats.unattributed == 3
+    assert observer.stats.unattributed == 3 + 5
     gateway = reader.stats(b"gateway-key")
     assert gateway is not None and gateway["dead_letters_by_reason"] == {
         "key_mismatch": 1, "bad_shape": 1

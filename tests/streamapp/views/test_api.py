@@ -7,15 +7,22 @@ pass validation get 503 ``not_ready`` (no worker owns any partition yet).
 
 from __future__ import annotations
 
+import asyncio
+import json
 import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from streamapp.app import create_app
+from streamapp.codecs import decode_request
+from streamapp.exceptions import InvalidRequestError
+from streamapp.faust_compat import PartitionMarks
+from streamapp.readiness import ProgressWatch
 from streamapp.settings import Settings
 from streamapp.views import ENDPOINTS, api_reference
 
@@ -68,6 +75,8 @@ async def test_health_and_not_ready(client: TestClient[Any, Any]) -> None:
         ("/devices?limit=abc", 400, "bad_query"),
         ("/devices?sort=total", 400, "bad_query"),
         ("/health?verbose=1", 400, "bad_query"),
+        ("/nonexistent", 404, "not_found"),
+        ("/devices/cam1/windows/extra", 404, "not_found"),
     ],
 )
 async def test_errors_are_json_with_a_code_and_a_message(
@@ -77,6 +86,44 @@ async def test_errors_are_json_with_a_code_and_a_message(
     body = await response.json()
     assert (response.status, body["error"]) == (status, code), body
     assert body["status"] == status and body["message"]
+
+
+def _accepted_at_intake(device_id: str) -> bool:
+    body = {"request_id": "r", "device_id": device_id, "seq": 0, "ts": 1_700_000_000.0,
+            "model": "digits", "tensor": {"dtype": "uint8", "shape": [0], "data": ""}}
+    try:
+        decode_request(json.dumps(body).encode(), now=1_700_000_000.0)
+    except InvalidRequestError as exc:
+        assert exc.reason == "bad_device_id", exc
+        return False
+    return True
+
+
+DEVICE_IDS = ["cam17", "tab\tdev", "nul\x00dev", "rtl-\u202e-abc", "d" * 256, "d" * 257,
+              "space dev", "kamera-äö", "📷-cam", "\ufffd-dev", "a/b", "%41",
+              "new\nline", "zw\u200bj", "\ud800-surrogate", "nbsp\u00a0dev"]
+
+
+@pytest.mark.parametrize("device_id", DEVICE_IDS, ids=[ascii(d)[:20] for d in DEVICE_IDS])
+async def test_a_device_id_is_queryable_exactly_when_a_request_may_carry_it(
+    client: TestClient[Any, Any], device_id: str
+) -> None:
+    # one rule at intake and in the views: a device the worker records can be asked for
+    response = await client.get("/devices/" + quote(device_id.encode("utf-8", "surrogatepass"),
+                                                     safe=""))
+    body = await response.json()
+    accepted = _accepted_at_intake(device_id)
+
+    assert (response.status, body["error"]) == ((503, "not_ready") if accepted
+                                                else (400, "bad_device_id")), body
+
+
+async def test_a_method_other_than_get_is_a_json_405(client: TestClient[Any, Any]) -> None:
+    response = await client.post("/ready")
+    body = await response.json()
+
+    assert (response.status, body["error"]) == (405, "method_not_allowed")
+    assert body["message"] == "POST is not allowed on /ready; the web API answers GET"
 
 
 async def test_a_device_listing_when_nothing_is_owned(client: TestClient[Any, Any]) -> None:
@@ -91,6 +138,61 @@ async def test_metrics_are_prometheus_text(client: TestClient[Any, Any]) -> None
     assert response.status == 200 and response.content_type == "text/plain"
     text = await response.text()
     assert re.search(r"^streamapp_ready 0\.0$", text, re.M)
+
+
+async def test_ready_is_503_while_the_broker_accepts_connections_but_does_not_answer(
+    tmp_path: Path,
+) -> None:
+    async def frozen(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.read()  # what a broker stopped with SIGSTOP does: the kernel accepts
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(frozen, "127.0.0.1", 0)
+    address = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    app = create_app(Settings(app_id="views-test", data_dir=tmp_path, backend="onnxruntime",
+                              broker=f"kafka://{address}", ready_probe_timeout_ms=300))
+    try:
+        async with TestClient(TestServer(app.web.web_app)) as c:
+            response = await c.get("/ready")
+            body = await response.json()
+            health = await c.get("/health")
+    finally:
+        server.close()
+        await server.wait_closed()
+
+    assert response.status == 503 and body["ready"] is False
+    assert body["checks"]["broker_responsive"] is False
+    assert body["problems"]["broker_responsive"] == (
+        f"{address} did not answer a Kafka ApiVersions request within 0.3 s")
+    assert health.status == 200  # liveness: restarting the worker would not wake the broker
+
+
+async def test_ready_reports_no_progress_while_records_wait(
+    client: TestClient[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state = client.faust_app.streamapp_state  # type: ignore[attr-defined]
+    now = [0.0]
+    state.progress = ProgressWatch(stall_s=15.0, clock=lambda: now[0])
+    stuck = PartitionMarks(highwater={("inference-request", 0): 1_200},
+                           position={("inference-request", 0): 200},
+                           assigned={"inference-request": 1})
+
+    async def marks() -> PartitionMarks:
+        return stuck
+
+    monkeypatch.setattr(state, "marks", marks)
+    checks = []
+    for _ in range(3):
+        body = await (await client.get("/ready")).json()
+        checks.append(body["checks"]["making_progress"])
+        now[0] += 10.0
+
+    assert checks == [True, True, False]  # 20 s without a record read, a commit or a fetch
+    assert body["problems"]["making_progress"] == (
+        "1000 records wait, but for 20 s no record was read, no offset committed and no fetch "
+        "moved (ready_stall_s=15)")
 
 
 async def test_an_unexpected_failure_is_a_json_500(client: TestClient[Any, Any]) -> None:

@@ -1,0 +1,96 @@
+"""What a person reads from the ``streamapp`` command line: help, and one-line errors (issue 19,
+item 6)."""
+
+from __future__ import annotations
+
+import re
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+from typer.testing import CliRunner
+
+from streamapp.cli import cli
+from streamapp.settings import Settings
+
+COMMANDS = [["broker"], ["worker"], ["publish"], ["demo"], ["settings"], ["status"],
+            ["dlq", "tail"], ["dlq", "replay"], ["results", "tail"]]
+
+
+def _help(runner: CliRunner, command: list[str]) -> str:
+    result = runner.invoke(cli, [*command, "--help"], env={"COLUMNS": "80"},
+                           prog_name="streamapp")
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
+def test_help_fits_80_columns_without_type_tags_on_flags_or_markup(
+    runner: CliRunner, command: list[str]
+) -> None:
+    text = _help(runner, command)
+
+    assert "<bool>" not in text and "``" not in text
+    assert max(len(line) for line in text.splitlines()) <= 80
+    assert re.search(r"^  --help\s+Show this message and exit\.$", text, re.M)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["broker", "app_id", "backend", "models", "max_batch_size", "max_batch_delay_ms",
+     "max_inflight_batches", "topic_prefix", "topic_partitions", "web_port", "web_bind",
+     "data_dir", "log_level"],
+)
+def test_worker_help_gives_each_setting_its_description_variable_and_default(
+    runner: CliRunner, name: str
+) -> None:
+    text = " ".join(_help(runner, ["worker"]).split())  # unwrapped
+    field = Settings.model_fields[name]
+    default = field.default
+    shown = ",".join(default) if isinstance(default, tuple) else str(default) or "none"
+    option = "--" + name.replace("_", "-")
+    described = re.split(r" --[a-z-]+ <", text.split(option + " <", 1)[1])[0]  # to the next
+
+    assert " ".join((field.description or "").replace("`", "").split()) in described
+    assert f"Env STREAMAPP_{name.upper()}; default: {shown}." in described
+
+
+@pytest.fixture
+def served_port() -> Iterator[int]:
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        yield server.getsockname()[1]
+
+
+@pytest.mark.parametrize("kafka", [True, False], ids=["kafka", "embedded"])
+def test_broker_on_a_served_port_fails_at_once_with_one_line(
+    served_port: int, kafka: bool
+) -> None:
+    command = [sys.executable, "-m", "streamapp", "broker", "--port", str(served_port)]
+    result = subprocess.run([*command, "--kafka"] if kafka else command, capture_output=True,
+                            text=True, timeout=60)
+
+    assert result.returncode == 1 and result.stdout == ""
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("error: Cannot start ")
+    assert f"port {served_port} on 127.0.0.1 is already in use" in line
+
+
+def test_an_unreachable_broker_is_one_line_naming_no_type_twice(
+    runner: CliRunner, served_port: int
+) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    result = runner.invoke(cli, ["dlq", "tail", "--broker", f"kafka://127.0.0.1:{closed}"],
+                           prog_name="streamapp")
+
+    assert result.exit_code == 1
+    (line,) = result.output.splitlines()
+    assert line == (
+        f"error: cannot talk to the broker at 127.0.0.1:{closed}: no broker answered "
+        "(connection refused or timed out). Is it running (streamapp broker), and are --broker "
+        "/ STREAMAPP_BROKER and the security settings right?")

@@ -1,0 +1,150 @@
+"""The readiness checks that ask the broker and watch progress (issue 19, item 3).
+
+A broker process stopped with SIGSTOP still completes TCP handshakes (the kernel does), so the
+stand-in for it here is a server that accepts connections and never answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+
+from streamapp.readiness import ProgressWatch, probe_kafka
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+async def _silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        await reader.read()  # accepts, reads, never answers: what a frozen broker looks like
+    finally:
+        writer.close()
+
+
+async def _answers_api_versions(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    size = struct.unpack(">i", await reader.readexactly(4))[0]
+    request = await reader.readexactly(size)
+    api_key, version, correlation_id = struct.unpack(">hhi", request[:8])
+    assert (api_key, version) == (18, 0)
+    body = struct.pack(">hi", 0, 0)  # error_code 0, no API keys listed
+    writer.write(struct.pack(">ii", 4 + len(body), correlation_id) + body)
+    await writer.drain()
+    writer.close()
+
+
+async def _answers_garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    await reader.read(1)
+    writer.write(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+    await writer.drain()
+    writer.close()
+
+
+@pytest.fixture
+async def serve() -> AsyncIterator[Callable[[Handler], Awaitable[str]]]:
+    servers: list[asyncio.Server] = []
+
+    async def start(handler: Handler) -> str:
+        server = await asyncio.start_server(handler, "127.0.0.1", 0)
+        servers.append(server)
+        return f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+    yield start
+    for server in servers:
+        server.close()
+        await server.wait_closed()
+
+
+def _closed_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+async def test_a_broker_that_accepts_but_never_answers_is_not_responsive(
+    serve: Callable[[Handler], Awaitable[str]],
+) -> None:
+    server = await serve(_silent)
+    began = time.monotonic()
+
+    problem = await probe_kafka(server, timeout_s=0.3)
+
+    assert problem == f"{server} did not answer a Kafka ApiVersions request within 0.3 s"
+    assert time.monotonic() - began < 2.0
+
+
+async def test_a_broker_answering_api_versions_is_responsive(
+    serve: Callable[[Handler], Awaitable[str]],
+) -> None:
+    assert await probe_kafka(await serve(_answers_api_versions), timeout_s=1.0) is None
+
+
+async def test_one_answering_bootstrap_server_is_enough(
+    serve: Callable[[Handler], Awaitable[str]],
+) -> None:
+    servers = f"{await serve(_silent)},{await serve(_answers_api_versions)},{_closed_port()}"
+
+    assert await probe_kafka(servers, timeout_s=0.3) is None
+
+
+async def test_every_server_failing_says_why_for_each(
+    serve: Callable[[Handler], Awaitable[str]],
+) -> None:
+    frozen, closed, other = await serve(_silent), _closed_port(), await serve(_answers_garbage)
+
+    problem = await probe_kafka(f"{frozen},{closed},{other}", timeout_s=0.3)
+
+    assert problem is not None
+    first, second, third = problem.split("; ")
+    assert first == f"{frozen} did not answer a Kafka ApiVersions request within 0.3 s"
+    assert second == f"{closed} refused the connection (no broker listens there)"
+    assert third.startswith(f"{other} answered, but not as a Kafka broker")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_no_progress_while_records_wait_is_a_stall_after_stall_s() -> None:
+    clock = Clock()
+    watch = ProgressWatch(stall_s=15.0, clock=clock)
+
+    assert watch.observe(("read", 10), waiting=50) is None
+    clock.now += 15.0
+    assert watch.observe(("read", 10), waiting=50) is None  # not more than 15 s yet
+    clock.now += 1.0
+    assert watch.observe(("read", 10), waiting=50) == 16.0
+    # any progress (a record read, a commit, a fetch) starts the count again
+    assert watch.observe(("read", 11), waiting=49) is None
+    clock.now += 10.0
+    assert watch.observe(("read", 11), waiting=49) is None
+
+
+def test_an_idle_worker_with_nothing_waiting_never_stalls() -> None:
+    clock = Clock()
+    watch = ProgressWatch(stall_s=15.0, clock=clock)
+
+    for _ in range(5):
+        assert watch.observe(("read", 10), waiting=0) is None
+        clock.now += 60.0
+    # records start to wait now: the count starts now, not at the last progress
+    assert watch.observe(("read", 10), waiting=3) is None
+    clock.now += 16.0
+    assert watch.observe(("read", 10), waiting=3) == 16.0
+
+
+def test_stall_s_zero_never_reports_a_stall() -> None:
+    clock = Clock()
+    watch = ProgressWatch(stall_s=0.0, clock=clock)
+
+    watch.observe("same", waiting=10)
+    clock.now += 3600.0
+    assert watch.observe("same", waiting=10) is None
