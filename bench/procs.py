@@ -248,22 +248,32 @@ class Sampler:
         gpu = [s["gpu"] for s in window if s.get("gpu")]
         if gpu:
             out["gpu_util_pct"] = round(sum(g["util"] for g in gpu) / len(gpu), 1)
+            per_gpu = [g["per_gpu"] for g in gpu if g.get("per_gpu")]
+            if per_gpu and len(per_gpu[0]) > 1:  # each GPU of a multi-GPU host (issue 23)
+                out["gpu_util_pct_per_gpu"] = [
+                    round(sum(p[i] for p in per_gpu) / len(per_gpu), 1)
+                    for i in range(len(per_gpu[0]))]
             out["gpu_mem_mib_max"] = round(max(g["mem_mib"] for g in gpu), 0)
         return out
 
 
 def _gpu_reader() -> Any:
-    """A function returning ``{"util": %, "mem_mib": MiB}`` of GPU 0, or None without a GPU."""
+    """A function returning ``{"util": %, "mem_mib": MiB, "per_gpu": [%, ...]}``: the mean
+    utilisation over the host's GPUs, their memory in use in total, and each GPU's utilisation
+    by NVML index (issue 23: a two-GPU host), or None without a GPU."""
     try:
         import pynvml
 
         pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        handles = [pynvml.nvmlDeviceGetHandleByIndex(i)
+                   for i in range(pynvml.nvmlDeviceGetCount())]
+        if not handles:
+            return None
 
-        def nvml() -> dict[str, float]:
-            util = pynvml.nvmlDeviceGetUtilizationRates(handle)
-            mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
-            return {"util": float(util.gpu), "mem_mib": mem.used / 2**20}
+        def nvml() -> dict[str, Any]:
+            utils = [float(pynvml.nvmlDeviceGetUtilizationRates(h).gpu) for h in handles]
+            mem = sum(pynvml.nvmlDeviceGetMemoryInfo(h).used for h in handles)
+            return gpu_sample(utils, mem / 2**20)
 
         nvml()
         return nvml
@@ -273,17 +283,24 @@ def _gpu_reader() -> Any:
     if smi is None:
         return None
 
-    def nvidia_smi() -> dict[str, float] | None:
+    def nvidia_smi() -> dict[str, Any] | None:
         try:
-            out = subprocess.run(
-                [smi, "--query-gpu=utilization.gpu,memory.used", "--format=csv,noheader,nounits",
-                 "-i", "0"], capture_output=True, text=True, timeout=5,
-            ).stdout.strip().split(",")
-            return {"util": float(out[0]), "mem_mib": float(out[1])}
+            lines = subprocess.run(
+                [smi, "--query-gpu=utilization.gpu,memory.used", "--format=csv,noheader,nounits"],
+                capture_output=True, text=True, timeout=5,
+            ).stdout.strip().splitlines()
+            rows = [[float(v) for v in line.split(",")] for line in lines if line.strip()]
+            return gpu_sample([r[0] for r in rows], sum(r[1] for r in rows)) if rows else None
         except Exception:
             return None
 
     return nvidia_smi if nvidia_smi() is not None else None
+
+
+def gpu_sample(utils: list[float], mem_mib: float) -> dict[str, Any]:
+    """One GPU sample of the :class:`Sampler`: each GPU's utilisation (%), their mean, and
+    the memory in use on all of them (MiB)."""
+    return {"util": sum(utils) / len(utils), "mem_mib": mem_mib, "per_gpu": list(utils)}
 
 
 def py_spy() -> str | None:

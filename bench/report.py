@@ -509,6 +509,9 @@ def format_scaleout(section: Mapping[str, Any], env: Mapping[str, Any] | None = 
                 flag += f"  {len(r['dead'])} DIED"
             if r.get("too_short"):
                 flag += f"  drain {r.get('drain_s')} s too short to time: raise K"
+            if util.get("gpu_util_pct_per_gpu"):
+                by_gpu = util["gpu_util_pct_per_gpu"]
+                flag += "  GPUs " + "/".join(f"{u:.0f}" for u in by_gpu) + " %"
             for model, b in (r.get("server_batches") or {}).items():
                 if model != "_errors" and p:
                     flag += (f"  engine batch {b['mean_batch']:.1f} of {p['batch']} "

@@ -695,7 +695,9 @@ def _fmt_point(p: Mapping[str, Any]) -> str:
     if util.get("cpu_pct", {}).get("broker") is not None:
         parts.append(f"broker {util['cpu_pct']['broker']:.0f} %")
     if util.get("gpu_util_pct") is not None:
-        parts.append(f"GPU {util['gpu_util_pct']:.0f} %")
+        parts.append(f"GPU {util['gpu_util_pct']:.0f} %" + (
+            " (" + "/".join(f"{u:.0f}" for u in util["gpu_util_pct_per_gpu"]) + " % by GPU)"
+            if util.get("gpu_util_pct_per_gpu") else ""))
     if p.get("closed_loop"):
         parts.append(f"closed loop {p['closed_loop']['results_per_s']:,.0f}/s")
     for model, b in (p.get("server_batches") or {}).items():

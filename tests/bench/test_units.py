@@ -192,3 +192,22 @@ def test_the_benchmark_modules_import_each_other_in_one_direction() -> None:
     assert "bench.scaleout" in imported("run")
     assert not {"bench.run", "bench.hotpath"} & imported("scaleout")
     assert not {"bench.run", "bench.scaleout", "bench.hotpath"} & imported("common")
+
+
+def test_each_gpu_of_a_multi_gpu_host_gets_its_own_mean_utilisation() -> None:
+    from bench.procs import Sampler, gpu_sample
+
+    sampler = Sampler({})
+    sampler.samples = [
+        {"t": float(t), "cpu": {}, "rss": {}, "machine_cpu": 10.0,
+         "gpu": gpu_sample([u0, u1], 1024.0)}
+        for t, (u0, u1) in enumerate([(90.0, 10.0), (70.0, 30.0)])]
+
+    util = sampler.summary(0.0, 1.0)
+
+    assert util["gpu_util_pct"] == 50.0  # the mean over both GPUs
+    assert util["gpu_util_pct_per_gpu"] == [80.0, 20.0]
+    one = Sampler({})
+    one.samples = [{"t": 0.0, "cpu": {}, "rss": {}, "machine_cpu": 1.0,
+                    "gpu": gpu_sample([40.0], 10.0)}]
+    assert "gpu_util_pct_per_gpu" not in one.summary(0.0, 1.0)  # one GPU: the mean says it all
