@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaProducer
+from aiokafka.partitioner import DefaultPartitioner
 
 from streamapp.client import collect_outcomes, digits_requests, load_digits_frames, publish
 from streamapp.process import WorkerProcess
@@ -47,16 +48,17 @@ def _worker(s: Settings, tmp_path: Path, name: str) -> WorkerProcess:
     )
 
 
-async def _append(bootstrap: str, topic: str, records: list[tuple[bytes, bytes | None]]
-                  ) -> list[tuple[int, int]]:
-    """Produce ``(key, value)`` records (the key's default partition, as the tables write);
+async def _append(bootstrap: str, topic: str, records: list[tuple[bytes, bytes | None]],
+                  partition: int | None = None) -> list[tuple[int, int]]:
+    """Produce ``(key, value)`` records (the key's default partition, as the tables write a
+    device's stats row; ``partition``: that one, e.g. a window bucket's device's partition);
     ``(partition, offset)`` of each."""
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap)
     await producer.start()
     try:
         out = []
         for key, value in records:
-            meta = await producer.send_and_wait(topic, key=key, value=value)
+            meta = await producer.send_and_wait(topic, key=key, value=value, partition=partition)
             out.append((meta.partition, meta.offset))
         return out
     finally:
@@ -158,8 +160,13 @@ async def test_wrong_shape_rows_in_every_restored_table_reset_only_themselves(
     filled = [w for w in windows["windows"] if w["count"]]
     bucket = bucket_key(b"device-06", round(windows["size_s"] * 1000),
                         round(filled[0]["start"] * 1000))
+    # A device's buckets live in the device's partition (the tables write them from its
+    # request's event), not in the partition the bucket key would hash to.
+    device_partition = DefaultPartitioner()(
+        b"device-06", list(range(s.topic_partitions)), list(range(s.topic_partitions)))
     ((w_partition, w_offset),) = await _append(
-        bootstrap, f"{s.app_id}-device_windows-changelog", [(bucket, b"[1, 2]")])
+        bootstrap, f"{s.app_id}-device_windows-changelog", [(bucket, b"[1, 2]")],
+        partition=device_partition)
     ((r_partition, r_offset),) = await _append(
         bootstrap, f"{s.app_id}-retry_counts-changelog", [(b"request-x", GARBAGE)])
 

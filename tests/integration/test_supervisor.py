@@ -200,6 +200,7 @@ def _servers(tmp_path: Path) -> list[dict[str, Any]]:
 @pytest.mark.parametrize("supervisor_options", [{
     "STREAMAPP_GPU_EXECUTOR": "shared", "STREAMAPP_MAX_RETRIES": "12",
     "STREAMAPP_RETRY_BACKOFF_MAX_MS": "2000",
+    "CUDA_VISIBLE_DEVICES": "",  # no GPU: one server (for the CPU), not one per GPU entry
 }])
 async def test_shared_gpu_executor_answers_everything_across_a_killed_server(
     kafka_broker: EmbeddedBroker, worker_settings: Settings, tmp_path: Path,
