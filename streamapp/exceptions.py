@@ -16,6 +16,7 @@ __all__ = [
     "InvalidRequestError",
     "ModelNotFoundError",
     "StreamAppError",
+    "TableUnavailableError",
 ]
 
 
@@ -35,6 +36,14 @@ class BrokerError(StreamAppError):
     """The embedded broker could not be started, reached or stopped."""
 
     reason = "broker_error"
+
+
+class TableUnavailableError(StreamAppError):
+    """A table partition's RocksDB database can be neither opened nor read (a full disk while
+    it was closed, and its files cannot be opened read-only either); retried at the next flush."""
+
+    retriable = True
+    reason = "table_unavailable"
 
 
 class ConfigError(StreamAppError, ValueError):

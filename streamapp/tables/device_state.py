@@ -28,6 +28,7 @@ from typing import Any
 
 from streamapp.agents.observer import Outcome
 from streamapp.batching import BatchInfo
+from streamapp.exceptions import TableUnavailableError
 from streamapp.records import device_id_problem
 from streamapp.tables.aggregates import (
     DeviceDelta,
@@ -160,6 +161,11 @@ class DeviceStateObserver:
         for key, (delta, event) in pending.items():
             try:
                 self._write(key, delta, event, now)
+            except TableUnavailableError:
+                # its partition's database cannot even be read (the guard logs that once per
+                # interval): nothing was written, so the update waits for the next flush
+                self.stats.failures += 1
+                self._pending.setdefault(key, (delta, event))
             except Exception:
                 self.stats.failures += 1
                 log.exception("could not update the tables of device %r", key)

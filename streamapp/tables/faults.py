@@ -5,7 +5,10 @@ databases through :class:`DiskFullDB`: while the control file exists ("the disk 
 every write raises exactly what rocksdict raises on a full disk, and the database then keeps
 failing — also after the file is removed ("space freed") — until it is closed and opened again,
 as RocksDB's background error does (measured on a 48 MiB tmpfs: see
-:mod:`streamapp.tables.store_guard`). Production sets no ``TABLES_FAULTS``; nothing here runs.
+:mod:`streamapp.tables.store_guard`). Opening a partition database (first open or reopen) fails
+too while the file exists, as RocksDB's read-write open does on a full disk (it appends to the
+MANIFEST); a read-only open, which needs no space, is not intercepted. Production sets no
+``TABLES_FAULTS``; nothing here runs.
 """
 
 from __future__ import annotations
@@ -77,6 +80,12 @@ def install_disk_faults(store: Any) -> bool:
     open_for_partition = store._open_for_partition
 
     def faulty_open(partition: int) -> DiskFullDB:
+        path = store.partition_path(partition)
+        if Path(control).exists():
+            raise Exception(  # what rocksdict raises when a read-write open finds no space
+                f"IO error: No space left on device: While appending to file: "
+                f"{path}/MANIFEST-000013: No space left on device"
+            )
         return DiskFullDB(
             open_for_partition(partition), store.partition_path(partition), Path(control)
         )

@@ -23,6 +23,15 @@ local database is only behind it. :class:`StoreWriteGuard` wraps one Faust Rocks
 * every :data:`RETRY_INTERVAL_S` (on the next write, or from a timer when idle) each such
   partition's database is closed and opened again and its rows, then the held-back offset,
   are written in one batch; the partition is then healthy again;
+* opening a partition's database can fail too (RocksDB appends to its MANIFEST on every
+  read-write open: measured on a full 8 MiB tmpfs, "IO error: No space left on device: While
+  appending to file: …/MANIFEST-000013"), both for a partition first opened while the disk is
+  full and for the reopen above. The partition then counts as refusing writes (its writes are
+  kept, it is retried) and its rows on disk are served through a *read-only* handle, which
+  needs no space (measured: it opened and read on the full tmpfs, the WAL replayed); a
+  partition with no database on disk yet reads as empty. Only when even the read-only open
+  fails do reads raise :class:`~streamapp.exceptions.TableUnavailableError` (retriable: the
+  device observer keeps the device's update for its next flush);
 * an ERROR is logged once per :data:`LOG_INTERVAL_S` while writes fail (with the count since
   the last one), one WARNING when a partition is writable again.
 
@@ -42,6 +51,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from faust.streams import current_event
+
+from streamapp.exceptions import TableUnavailableError
 
 __all__ = ["LOG_INTERVAL_S", "RETRY_INTERVAL_S", "StoreWriteGuard", "TableWriteStatus"]
 
@@ -86,7 +97,9 @@ class StoreWriteGuard:
 
     Uses the store's internals of faust-streaming 0.15.3 (``_set``, ``_del``, ``_get``,
     ``_contains``, ``_iteritems``, ``set_persisted_offset``, ``revoke_partitions``, ``_dbs``,
-    ``_db_for_partition``, ``offset_key``); they are replaced by instance attributes.
+    ``_db_for_partition``, ``_open_for_partition``, ``_visible_items``, ``partition_path``,
+    ``rocksdb_options``, ``offset_key``); they are replaced by instance attributes. Every
+    database access of the store (Faust's own included) goes through :meth:`db_for_partition`.
 
     Args:
         store: The table's store (``table.data``).
@@ -115,12 +128,16 @@ class StoreWriteGuard:
         self._last_log: float | None = None
         self._last_attempt = 0.0
         self._timer: asyncio.TimerHandle | None = None
+        #: partition -> read-only handle serving its rows while its database cannot be opened.
+        self._readers: dict[int, _ReadOnlyDB] = {}
+        self._open = store._open_for_partition
         self._set, self._del, self._get = store._set, store._del, store._get
         self._contains, self._iteritems = store._contains, store._iteritems
         self._set_offset, self._revoke = store.set_persisted_offset, store.revoke_partitions
         store._set, store._del, store._get = self.set, self.delete, self.get
         store._contains, store._iteritems = self.contains, self.iteritems
         store.set_persisted_offset, store.revoke_partitions = self.set_offset, self.revoke
+        store._db_for_partition = self.db_for_partition
 
     # -- the store's interface ---------------------------------------------------------------
 
@@ -130,29 +147,68 @@ class StoreWriteGuard:
 
     def delete(self, key: bytes) -> None:
         partition = _partition()
-        self._write(partition, key, None, lambda: self._del(key))
+        # (Faust's _del deletes in every open database when the key's is not open)
+        self._write(partition, key, None, lambda: self.db_for_partition(partition).delete(key))
 
     def get(self, key: bytes) -> bytes | None:
         found, value = self._kept(key)
         if found:
             return value
         value = self._get(key)
+        if value is None and current_event() is None:  # Faust looked in the open ones only
+            for reader in self._readers.values():
+                value = reader.get(key)
+                if value is not None:
+                    break
         return value
 
     def contains(self, key: bytes) -> bool:
         found, value = self._kept(key)
         if found:
             return value is not None
-        return bool(self._contains(key))
+        if self._contains(key):
+            return True
+        if current_event() is None:
+            return any(reader.get(key) is not None for reader in self._readers.values())
+        return False
 
     def iteritems(self) -> Iterator[tuple[bytes, bytes]]:
         kept = {k: v for rows in self._pending.values() for k, v in rows.items()}
         for key, value in self._iteritems():
             if key not in kept:
                 yield key, value
+        for reader in list(self._readers.values()):
+            for key, value in self.store._visible_items(reader):
+                if key not in kept:
+                    yield key, value
         for key, value in kept.items():
             if value is not None:
                 yield key, value
+
+    def db_for_partition(self, partition: int) -> Any:
+        """The partition's database, opened when it is not open yet (replaces the store's
+        ``_db_for_partition``).
+
+        When the open fails (a full disk) the partition counts as refusing writes and a
+        read-only handle is returned: it serves the rows on disk and raises the open's error
+        on writes, so they are kept in memory.
+
+        Raises:
+            TableUnavailableError: Not even a read-only handle could be opened.
+        """
+        db = self.store._dbs.get(partition)
+        if db is not None:
+            return db
+        reader = self._readers.get(partition)
+        if reader is not None:
+            return reader
+        try:
+            db = self.store._dbs[partition] = self._open(partition)
+        except Exception as exc:  # rocksdict raises plain Exception for RocksDB errors
+            self._pending.setdefault(partition, {})
+            self._refused(partition, exc, count=False)
+            return self._read_only(partition, exc)
+        return db
 
     def set_offset(self, tp: Any, offset: int) -> None:
         partition = int(tp.partition)
@@ -170,6 +226,9 @@ class StoreWriteGuard:
         for tp in tps:
             rows = self._pending.pop(int(tp.partition), None)
             self._offsets.pop(int(tp.partition), None)
+            reader = self._readers.pop(int(tp.partition), None)
+            if reader is not None:
+                reader.close()
             if rows:
                 log.warning(
                     "table %s partition %d revoked with %d row(s) its database refused; the "
@@ -199,7 +258,16 @@ class StoreWriteGuard:
                 with contextlib.suppress(Exception):  # "Writer has previous error"
                     old.close()
             try:
-                db = store._db_for_partition(partition)
+                db = store._dbs[partition] = self._open(partition)
+            except Exception as exc:  # still full: serve the rows on disk read-only
+                self._refused(partition, exc, count=False)
+                with contextlib.suppress(TableUnavailableError):  # reads retry the open
+                    self._read_only(partition, exc)
+                continue
+            reader = self._readers.pop(partition, None)
+            if reader is not None:
+                reader.close()
+            try:
                 db.write(self._batch(rows, self._offsets.get(partition)))
             except Exception as exc:
                 self._refused(partition, exc, count=False)
@@ -234,6 +302,31 @@ class StoreWriteGuard:
 
     # -- internals -----------------------------------------------------------------------------
 
+    def _read_only(self, partition: int, error: BaseException) -> _ReadOnlyDB:
+        """A read-only handle on the partition's database (kept in ``_readers``), or an empty
+        one when nothing was ever written there; ``error`` is what its writes raise."""
+        reader = self._readers.get(partition)
+        if reader is not None:
+            return reader
+        path = self.store.partition_path(partition)
+        db = None
+        if (path / "CURRENT").exists():  # (a failed first open may leave a bare directory)
+            from rocksdict import AccessType, Rdict, ReadOptions
+
+            try:
+                db = Rdict(
+                    str(path), options=self.store.rocksdb_options.as_options(),
+                    access_type=AccessType.read_only(),
+                )
+                db.set_read_options(ReadOptions())
+            except Exception as exc:  # rocksdict raises plain Exception for RocksDB errors
+                raise TableUnavailableError(
+                    f"table {self.name} partition {partition}: its database {path} cannot be "
+                    f"opened ({error}) nor read ({exc}); free disk space under the data dir"
+                ) from exc
+        reader = self._readers[partition] = _ReadOnlyDB(db, error)
+        return reader
+
     def _kept(self, key: bytes) -> tuple[bool, bytes | None]:
         partition = self._key_partition.get(key)
         if partition is None:
@@ -266,8 +359,9 @@ class StoreWriteGuard:
         if count:
             status.write_errors += 1
         status.error = str(exc)
-        if status.since is None:
+        if status.since is None:  # the first retry comes one interval after the first refusal
             status.since = time.time()
+            self._last_attempt = self.clock()
         self._update_status()
         self._unlogged += 1
         now = self.clock()
@@ -302,6 +396,44 @@ class StoreWriteGuard:
         status.partitions = tuple(sorted(self._pending))
         if not self._pending:
             status.since = None
+
+
+class _ReadOnlyDB:
+    """Serves a partition's rows while its database cannot be opened for writing.
+
+    Args:
+        db: A read-only rocksdict ``Rdict``, or None: nothing on disk (reads find nothing).
+        error: What writes raise (the error of the failed read-write open).
+    """
+
+    def __init__(self, db: Any, error: BaseException) -> None:
+        self._db = db
+        self._error = error
+
+    def get(self, key: bytes, *args: Any) -> bytes | None:
+        return None if self._db is None else self._db.get(key, *args)
+
+    def key_may_exist(self, key: bytes, *args: Any) -> bool:
+        return self._db is not None and bool(self._db.key_may_exist(key, *args))
+
+    def items(self) -> Iterator[tuple[bytes, bytes]]:
+        return iter(()) if self._db is None else self._db.items()
+
+    def keys(self) -> Iterator[bytes]:
+        return iter(()) if self._db is None else self._db.keys()
+
+    def put(self, *args: Any) -> None:
+        raise Exception(str(self._error))  # the type rocksdict raises; callers catch it
+
+    delete = write = put
+
+    def close(self) -> None:
+        if self._db is not None:
+            with contextlib.suppress(Exception):
+                self._db.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._db, name)
 
 
 def _partition() -> int:

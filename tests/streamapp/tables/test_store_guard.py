@@ -13,6 +13,7 @@ from typing import Any
 import faust
 import pytest
 from faust.types import TP
+from rocksdict import AccessType, Rdict
 
 from streamapp.settings import Settings
 from streamapp.tables.faults import FAULTS_ENV, DiskFullDB
@@ -65,7 +66,17 @@ def _stored(total: int) -> bytes:
 
 
 def _on_disk(tables: Any, device: bytes, partition: int) -> bytes | None:
-    db = tables.stats.data._dbs[partition]
+    """The device's stats row in the partition's database files (None: not there)."""
+    db = tables.stats.data._dbs.get(partition)
+    if db is None:  # not open (its open failed): read the files themselves
+        path = tables.stats.data.partition_path(partition)
+        if not (path / "CURRENT").exists():
+            return None
+        reader = Rdict(str(path), access_type=AccessType.read_only())
+        try:
+            return reader.get(device)  # type: ignore[no-any-return]
+        finally:
+            reader.close()
     return db._db.get(device) if isinstance(db, DiskFullDB) else db.get(device)
 
 
@@ -138,3 +149,45 @@ def test_a_revoked_partition_drops_its_kept_rows_the_changelog_has_them(
     topic = tables.stats.changelog_topic.get_topic_name()
     tables.stats.data.revoke_partitions(tables.stats, {TP(topic, 3)})
     assert not tables.write_status()["device_stats"].degraded
+
+
+def test_a_partition_first_opened_while_the_disk_is_full_loses_no_device(
+    tables: Any, disk: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The trial's failure: a partition database opened (first or again) on a full disk
+    raised out of every read, so devices lost updates and answered 404 (issue f1)."""
+    _count(tables, b"cam7", 2, 10)  # partition 2 open, with rows on disk
+    _count(tables, b"cam8", 2, 4)
+    disk.touch()  # the disk fills up
+    guard = tables.guards[0]
+    with caplog.at_level(logging.ERROR, logger="streamapp.tables.store_guard"):
+        _count(tables, b"cam6", 1, 5)  # partition 1 was never opened: its open fails
+        _count(tables, b"cam6", 1, 5)
+        _count(tables, b"cam7", 2, 1)  # refused, kept
+        assert not guard.recover()  # partition 2 closed and its reopen fails: served read-only
+        _count(tables, b"cam7", 2, 1)
+        for _ in range(3):
+            assert not guard.recover()
+    assert tables.get_stats(b"cam6") == _row(10)
+    assert tables.get_stats(b"cam7") == _row(12)
+    assert tables.get_stats(b"cam8") == _row(4)  # on disk only: still served, not unknown
+    topic = tables.stats.changelog_topic.get_topic_name()
+    tables.app.assignor.assigned_actives = lambda: {TP(topic, 1), TP(topic, 2)}
+    assert dict(tables.iter_stats()) == {
+        b"cam6": _row(10), b"cam7": _row(12), b"cam8": _row(4)
+    }  # what GET /devices lists
+    status = tables.write_status()["device_stats"]
+    assert status.partitions == (1, 2) and status.rows_in_memory == 2
+    assert "No space left on device" in status.error
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1, errors  # one per interval (only device_stats is written here)
+    assert all(r.exc_info is None for r in errors)
+
+    disk.unlink()  # space freed: the next retry opens both and writes the kept rows
+    assert guard.recover() and tables.guards[1].recover()
+    assert not tables.write_status()["device_stats"].degraded
+    assert _on_disk(tables, b"cam6", 1) == _stored(10)
+    assert _on_disk(tables, b"cam7", 2) == _stored(12)
+    assert _on_disk(tables, b"cam8", 2) == _stored(4)
+    _count(tables, b"cam8", 2, 1)
+    assert tables.get_stats(b"cam8") == _row(5) and _on_disk(tables, b"cam8", 2) == _stored(5)
