@@ -74,6 +74,15 @@ def _fail(message: str, code: int = 1) -> typer.Exit:
     return typer.Exit(code)
 
 
+def _check_port(port: int | None, option: str = "--port", *, free: str | None = None) -> None:
+    """Refuse a TCP port outside 1-65535 (0 too, unless ``free`` says what 0 means) with one
+    usage line (exit 2), before a library raises a traceback for it."""
+    low = 0 if free else 1
+    if port is not None and not low <= port <= 65535:
+        also = f", or 0 for {free}" if free else ", or leave it out for a free one"
+        raise _fail(f"{option} must be a TCP port, 1-65535{also}; got {port}", 2)
+
+
 @cli.command()
 def broker(
     port: Annotated[Optional[int], typer.Option(help="Port to listen on (default: a free one).")]
@@ -86,6 +95,7 @@ def broker(
 ) -> None:
     """Run the embedded Kafka-compatible broker (Tansu), or Apache Kafka with --kafka, on
     127.0.0.1 until Ctrl-C; prints "bootstrap: HOST:PORT"."""
+    _check_port(port)
     if kafka:
         from streamapp.kafka_server import run_kafka_forever
 
@@ -191,6 +201,7 @@ def worker(
     from streamapp.partitions import plan_partitions
     from streamapp.settings import load_settings
 
+    _check_port(web_port, "--web-port", free="a free port")
     flags: dict[str, Any] = dict(
         broker=broker, app_id=app_id, backend=backend, models=models,
         max_batch_size=max_batch_size, max_batch_delay_ms=max_batch_delay_ms,

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -77,6 +78,7 @@ def test_broker_on_a_served_port_fails_at_once_with_one_line(
     (line,) = result.stderr.splitlines()
     assert line.startswith("error: Cannot start ")
     assert f"port {served_port} on 127.0.0.1 is already in use" in line
+    assert "choose another --port" in line and "pass port=None" not in line
 
 
 def test_an_unreachable_broker_is_one_line_naming_no_type_twice(
@@ -94,3 +96,69 @@ def test_an_unreachable_broker_is_one_line_naming_no_type_twice(
         f"error: cannot talk to the broker at 127.0.0.1:{closed}: no broker answered "
         "(connection refused or timed out). Is it running (streamapp broker), and are --broker "
         "/ STREAMAPP_BROKER and the security settings right?")
+
+
+@pytest.mark.parametrize("port", ["99999", "0", "-5"])
+@pytest.mark.parametrize("kafka", [True, False], ids=["kafka", "embedded"])
+def test_broker_port_out_of_range_is_one_usage_line(
+    runner: CliRunner, port: str, kafka: bool
+) -> None:
+    args = ["broker", "--port", port, *(["--kafka"] if kafka else [])]
+    result = runner.invoke(cli, args, prog_name="streamapp")
+
+    assert result.exit_code == 2
+    assert result.output.splitlines() == [
+        f"error: --port must be a TCP port, 1-65535, or leave it out for a free one; got {port}"]
+
+
+def test_worker_web_port_out_of_range_is_one_usage_line(runner: CliRunner) -> None:
+    result = runner.invoke(cli, ["worker", "--web-port", "99999"], prog_name="streamapp")
+
+    assert result.exit_code == 2
+    assert result.output.splitlines() == [
+        "error: --web-port must be a TCP port, 1-65535, or 0 for a free port; got 99999"]
+
+
+@pytest.fixture
+def a_file(tmp_path: Path) -> Path:
+    path = tmp_path / "file"
+    path.write_text("not a directory")
+    return path
+
+
+@pytest.mark.parametrize("below", [False, True], ids=["the-file", "below-it"])
+def test_worker_data_dir_that_is_a_file_is_one_line(
+    runner: CliRunner, a_file: Path, below: bool
+) -> None:
+    given = a_file / "sub" if below else a_file
+    result = runner.invoke(
+        cli, ["worker", "--data-dir", str(given), "--broker", "kafka://127.0.0.1:1"],
+        env={"STREAMAPP_BROKER_KIND": "kafka"}, prog_name="streamapp",
+    )
+
+    assert result.exit_code == 1
+    assert result.output.splitlines() == [
+        f"error: data directory {given} cannot be created: a parent of it is a file; give "
+        "--data-dir / STREAMAPP_DATA_DIR a directory path" if below else
+        f"error: data directory {given} is a file, not a directory: give --data-dir / "
+        "STREAMAPP_DATA_DIR a directory (it is created when missing)"]
+
+
+def test_kafka_broker_data_dir_that_is_a_file_is_one_line(a_file: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "streamapp", "broker", "--kafka", "--data-dir", str(a_file)],
+        capture_output=True, text=True, timeout=60)
+
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.splitlines() == [
+        f"error: Cannot use the Kafka data directory {a_file}: it, or a parent of it, is a "
+        "file; give --data-dir a directory (it is created when missing)."]
+
+
+def test_demo_workdir_that_is_a_file_is_one_line(runner: CliRunner, a_file: Path) -> None:
+    result = runner.invoke(cli, ["demo", "--workdir", str(a_file)], prog_name="streamapp")
+
+    assert result.exit_code == 1
+    assert result.output.splitlines() == [
+        f"error: data directory {a_file} is a file, not a directory: give --workdir a "
+        "directory (it is created when missing)"]
