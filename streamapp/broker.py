@@ -36,7 +36,7 @@ from typing import IO, Any
 
 from streamapp.children import free_port, popen_child, port_taken, read_tail, terminate_group
 from streamapp.exceptions import BrokerError
-from streamapp.kafka import probe_metadata, run_sync
+from streamapp.kafka import describe_error, probe_metadata, run_sync
 
 __all__ = ["EmbeddedBroker", "run_broker_forever"]
 
@@ -445,7 +445,7 @@ async def _wait_until_serving(
         try:
             probe.result()
         except Exception as err:  # refused, timed out, or aiokafka errors while coming up
-            last_error = f"{type(err).__name__}: {err}"
+            last_error = describe_error(err)
         else:
             # The answer may have come from another process holding the port: re-check ours.
             return _failure()

@@ -45,7 +45,7 @@ from typing import IO, Any
 
 from streamapp.children import free_port, popen_child, port_taken, read_tail, terminate_group
 from streamapp.exceptions import BrokerError
-from streamapp.kafka import run_sync
+from streamapp.kafka import describe_error, run_sync
 
 __all__ = [
     "KAFKA_VERSION",
@@ -607,7 +607,7 @@ class KafkaBroker:
             try:
                 seen = run_sync(functools.partial(_count_brokers, self._host, node.port))
             except Exception as err:  # refused, timeouts and aiokafka errors while starting
-                seen, last = 0, f"{type(err).__name__}: {err}"
+                seen, last = 0, describe_error(err)
             if seen >= self._n:
                 waiting.pop(0)
                 continue

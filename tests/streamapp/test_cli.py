@@ -3,6 +3,7 @@ item 6)."""
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 import subprocess
@@ -11,9 +12,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from aiokafka.errors import IncompatibleBrokerVersion, KafkaConnectionError, RequestTimedOutError
 from typer.testing import CliRunner
 
 from streamapp.cli import cli
+from streamapp.exceptions import BrokerError
+from streamapp.kafka import describe_error
 from streamapp.settings import Settings
 
 COMMANDS = [["broker"], ["worker"], ["publish"], ["demo"], ["settings"], ["status"],
@@ -81,17 +85,24 @@ def test_broker_on_a_served_port_fails_at_once_with_one_line(
     assert "choose another --port" in line and "pass port=None" not in line
 
 
+@pytest.mark.parametrize("command", [["dlq", "tail"], ["results", "tail"], ["publish"],
+                                     ["tables", "rebuild"], ["worker"]], ids=" ".join)
 def test_an_unreachable_broker_is_one_line_naming_no_type_twice(
-    runner: CliRunner, served_port: int
+    command: list[str], tmp_path: Path
 ) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         closed = s.getsockname()[1]
-    result = runner.invoke(cli, ["dlq", "tail", "--broker", f"kafka://127.0.0.1:{closed}"],
-                           prog_name="streamapp")
+    # a subprocess: aiokafka's own "Unable connect" ERROR lines must not reach stderr either
+    result = subprocess.run(
+        [sys.executable, "-m", "streamapp", *command, "--broker", f"kafka://127.0.0.1:{closed}"],
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "STREAMAPP_BROKER_KIND": "kafka",
+             "STREAMAPP_DATA_DIR": str(tmp_path / "data")},
+    )
 
-    assert result.exit_code == 1
-    (line,) = result.output.splitlines()
+    assert result.returncode == 1 and result.stdout == ""
+    (line,) = result.stderr.splitlines()
     assert line == (
         f"error: cannot talk to the broker at 127.0.0.1:{closed}: no broker answered "
         "(connection refused or timed out). Is it running (streamapp broker), and are --broker "
@@ -162,3 +173,39 @@ def test_demo_workdir_that_is_a_file_is_one_line(runner: CliRunner, a_file: Path
     assert result.output.splitlines() == [
         f"error: data directory {a_file} is a file, not a directory: give --workdir a "
         "directory (it is created when missing)"]
+
+
+@pytest.mark.parametrize(("error", "line"), [
+    (KafkaConnectionError("KafkaConnectionError: Unable to bootstrap from [...]"),
+     "KafkaConnectionError: Unable to bootstrap from [...]"),
+    (IncompatibleBrokerVersion("IncompatibleBrokerVersion: Kafka broker does not support the "
+                               "'CreatePartitionsRequest_v0' Kafka protocol."),
+     "IncompatibleBrokerVersion: Kafka broker does not support the "
+     "'CreatePartitionsRequest_v0' Kafka protocol."),
+    (RequestTimedOutError("RequestTimedOutError: no answer in 40 s"),
+     "RequestTimedOutError: no answer in 40 s"),
+    (RequestTimedOutError(), "RequestTimedOutError"),
+])
+def test_a_client_error_is_quoted_with_its_type_once(error: Exception, line: str) -> None:
+    assert describe_error(error) == line
+
+
+def test_tables_rebuild_on_a_broker_that_cannot_add_partitions_names_the_type_once(
+    runner: CliRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from streamapp import kafka
+
+    def refuse(*_args: object, **_kwargs: object) -> None:
+        raise IncompatibleBrokerVersion(
+            "IncompatibleBrokerVersion: Kafka broker does not support it")
+
+    monkeypatch.setattr(kafka, "with_admin", refuse)
+    settings = Settings(broker="kafka://127.0.0.1:9092")
+
+    with pytest.raises(BrokerError) as raised:
+        kafka.add_partitions(settings, {"inference-request": 8})
+
+    assert str(raised.value) == (
+        "cannot add partitions to ['inference-request'] on 127.0.0.1:9092: "
+        "IncompatibleBrokerVersion: Kafka broker does not support it (the embedded broker "
+        "cannot add partitions; Apache Kafka can)")
