@@ -209,3 +209,25 @@ def test_tables_rebuild_on_a_broker_that_cannot_add_partitions_names_the_type_on
         "cannot add partitions to ['inference-request'] on 127.0.0.1:9092: "
         "IncompatibleBrokerVersion: Kafka broker does not support it (the embedded broker "
         "cannot add partitions; Apache Kafka can)")
+
+
+def test_tables_rebuild_of_an_app_without_changelogs_refuses_with_one_line(
+    runner: CliRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from streamapp import rebuild
+    from streamapp.kafka import ClusterFacts
+
+    grown: list[object] = []
+    facts = ClusterFacts("c", {"inference-request": 4, "inference-retry": 4,
+                               "streamapp-device_stats-changelog": 4})
+    monkeypatch.setattr(rebuild, "cluster_facts", lambda _settings: facts)
+    monkeypatch.setattr(rebuild, "add_partitions", lambda *args: grown.append(args))
+    result = runner.invoke(cli, ["tables", "rebuild", "-b", "kafka://127.0.0.1:9092",
+                                 "--app-id", "nosuchapp"], prog_name="streamapp")
+
+    assert result.exit_code == 1 and grown == []
+    assert result.output.splitlines() == [
+        "error: no changelog topic of app 'nosuchapp' exists on 127.0.0.1:9092 (looked for "
+        "nosuchapp-device_stats-changelog, nosuchapp-device_windows-changelog, "
+        "nosuchapp-retry_counts-changelog): nothing to rebuild; check --app-id (the workers' "
+        "STREAMAPP_APP_ID) and --broker"]
