@@ -14,7 +14,7 @@ import typer
 from aiokafka.errors import KafkaConnectionError, KafkaError
 
 from engines.exceptions import EngineError
-from streamapp.exceptions import ConfigError, StreamAppError
+from streamapp.exceptions import ConfigError, PublishError, StreamAppError
 from streamapp.settings import Settings
 
 __all__ = ["cli", "main"]
@@ -67,7 +67,7 @@ def _error_line(exc: BaseException, bootstrap: str) -> str:
     that a broker which did not answer caused, as :func:`_unreachable` words it; ours else."""
     if isinstance(exc, KafkaError):
         return _unreachable(bootstrap, exc)
-    if isinstance(exc.__cause__, KafkaConnectionError):
+    if isinstance(exc.__cause__, KafkaConnectionError) and not isinstance(exc, PublishError):
         return _unreachable(bootstrap, exc.__cause__)
     return str(exc)
 

@@ -15,6 +15,7 @@ __all__ = [
     "InternalError",
     "InvalidRequestError",
     "ModelNotFoundError",
+    "PublishError",
     "StreamAppError",
 ]
 
@@ -35,6 +36,21 @@ class BrokerError(StreamAppError):
     """The embedded broker could not be started, reached or stopped."""
 
     reason = "broker_error"
+
+
+class PublishError(BrokerError):
+    """Sending records failed part way; the message says how many were sent and acknowledged
+    before it (the others may or may not have arrived).
+
+    Attributes:
+        sent: Records handed to the producer.
+        acknowledged: Records the broker acknowledged.
+        total: Records there were to send.
+    """
+
+    def __init__(self, message: str, *, sent: int, acknowledged: int, total: int) -> None:
+        super().__init__(message)
+        self.sent, self.acknowledged, self.total = sent, acknowledged, total
 
 
 class ConfigError(StreamAppError, ValueError):
