@@ -36,7 +36,7 @@ from typing import IO, Any
 
 from streamapp.children import free_port, popen_child, port_taken, read_tail, terminate_group
 from streamapp.exceptions import BrokerError
-from streamapp.kafka import probe_metadata, run_sync
+from streamapp.kafka import describe_error, probe_metadata, run_sync
 
 __all__ = ["EmbeddedBroker", "run_broker_forever"]
 
@@ -178,8 +178,8 @@ class EmbeddedBroker:
         if self._requested_port is not None and port_taken(self._host, self._requested_port):
             raise BrokerError(
                 f"Cannot start the embedded broker: port {self._requested_port} on {self._host} "
-                "is already in use. Stop whatever listens there, choose another port, or pass "
-                "port=None to pick a free one."
+                "is already in use. Stop whatever listens there, choose another --port, or leave "
+                "it out (port=None) for a free one."
             )
         self._open_log()
         attempts = 1 if self._requested_port is not None else _MAX_START_ATTEMPTS
@@ -194,8 +194,8 @@ class EmbeddedBroker:
                 self._close_log()
                 raise BrokerError(
                     f"Cannot start the embedded broker: port {port} on {self._host} is already "
-                    "in use. Stop whatever listens there, choose another port, or pass "
-                    f"port=None to pick a free one.\nBroker log ({self._log_path}):\n"
+                    "in use. Stop whatever listens there, choose another --port, or leave it out "
+                    f"(port=None) for a free one.\nBroker log ({self._log_path}):\n"
                     f"{self._attempt_tail()}"
                 )
         tail = self._attempt_tail()
@@ -445,7 +445,7 @@ async def _wait_until_serving(
         try:
             probe.result()
         except Exception as err:  # refused, timed out, or aiokafka errors while coming up
-            last_error = f"{type(err).__name__}: {err}"
+            last_error = describe_error(err)
         else:
             # The answer may have come from another process holding the port: re-check ours.
             return _failure()

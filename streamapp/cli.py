@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import sys
 from collections.abc import Callable, Coroutine
 from pathlib import Path
@@ -15,7 +14,7 @@ import typer
 from aiokafka.errors import KafkaConnectionError, KafkaError
 
 from engines.exceptions import EngineError
-from streamapp.exceptions import ConfigError, StreamAppError
+from streamapp.exceptions import ConfigError, PublishError, StreamAppError
 from streamapp.settings import Settings
 
 __all__ = ["cli", "main"]
@@ -51,27 +50,50 @@ Broker = Annotated[
 
 def _unreachable(bootstrap: str, exc: BaseException) -> str:
     """One line for a Kafka client error: what failed, then what to check."""
-    name = type(exc).__name__
-    text = re.sub(rf"^(\[Error \d+\] )?{name}: ?", "", str(exc))  # aiokafka repeats the type
+    from streamapp.kafka import describe_error
+
     if isinstance(exc, KafkaConnectionError):
         what = "no broker answered (connection refused or timed out)"
     else:
-        what = f"{name}: {text}" if text and text != name else name
+        what = describe_error(exc)
     return (
         f"cannot talk to the broker at {bootstrap}: {what}. Is it running (streamapp broker), "
         "and are --broker / STREAMAPP_BROKER and the security settings right?"
     )
 
 
-def _quiet_kafka_client() -> None:
+def _error_line(exc: BaseException, bootstrap: str) -> str:
+    """The one line every command prints for a failure: a Kafka client error, or one of ours
+    that a broker which did not answer caused, as :func:`_unreachable` words it; ours else."""
+    if isinstance(exc, KafkaError):
+        return _unreachable(bootstrap, exc)
+    if isinstance(exc.__cause__, KafkaConnectionError) and not isinstance(exc, PublishError):
+        return _unreachable(bootstrap, exc.__cause__)
+    return str(exc)
+
+
+def _quiet_kafka_client() -> int:
     """Leave connection errors to this command's one-line message: aiokafka logs each failed
-    connect at ERROR as well (the worker keeps aiokafka's log; it never calls this)."""
-    logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
+    connect at ERROR as well. Returns the level to restore (the worker does, before Faust
+    starts: a running worker keeps aiokafka's log)."""
+    logger = logging.getLogger("aiokafka")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    return level
 
 
 def _fail(message: str, code: int = 1) -> typer.Exit:
     typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
     return typer.Exit(code)
+
+
+def _check_port(port: int | None, option: str = "--port", *, free: str | None = None) -> None:
+    """Refuse a TCP port outside 1-65535 (0 too, unless ``free`` says what 0 means) with one
+    usage line (exit 2), before a library raises a traceback for it."""
+    low = 0 if free else 1
+    if port is not None and not low <= port <= 65535:
+        also = f", or 0 for {free}" if free else ", or leave it out for a free one"
+        raise _fail(f"{option} must be a TCP port, 1-65535{also}; got {port}", 2)
 
 
 @cli.command()
@@ -86,6 +108,7 @@ def broker(
 ) -> None:
     """Run the embedded Kafka-compatible broker (Tansu), or Apache Kafka with --kafka, on
     127.0.0.1 until Ctrl-C; prints "bootstrap: HOST:PORT"."""
+    _check_port(port)
     if kafka:
         from streamapp.kafka_server import run_kafka_forever
 
@@ -191,6 +214,7 @@ def worker(
     from streamapp.partitions import plan_partitions
     from streamapp.settings import load_settings
 
+    _check_port(web_port, "--web-port", free="a free port")
     flags: dict[str, Any] = dict(
         broker=broker, app_id=app_id, backend=backend, models=models,
         max_batch_size=max_batch_size, max_batch_delay_ms=max_batch_delay_ms,
@@ -198,8 +222,11 @@ def worker(
         topic_partitions=topic_partitions, web_port=web_port, web_bind=web_bind,
         data_dir=data_dir, log_level=log_level, gpu_executor=gpu_executor,
     )
+    aiokafka_level = _quiet_kafka_client()
+    bootstrap = broker or ""
     try:
         settings = resolve_broker_kind(load_settings(**flags))
+        bootstrap = settings.bootstrap_servers
         if processes is None:
             use_event_loop(settings.event_loop)
         # One process per data directory (RocksDB): fail here, before joining the group.
@@ -242,7 +269,8 @@ def worker(
                      for name in changelogs},
         )
     except (StreamAppError, EngineError) as exc:
-        raise _fail(str(exc)) from None
+        raise _fail(_error_line(exc, bootstrap)) from None
+    logging.getLogger("aiokafka").setLevel(aiokafka_level)
     if app is None:
         from streamapp.supervisor import run_supervisor
 
@@ -326,10 +354,8 @@ def publish(
                 replication_factor=settings.topic_replication_factor,
             )
         )
-    except StreamAppError as exc:
-        raise _fail(str(exc)) from None
-    except KafkaError as exc:
-        raise _fail(_unreachable(settings.bootstrap_servers, exc)) from None
+    except (StreamAppError, KafkaError) as exc:
+        raise _fail(_error_line(exc, settings.bootstrap_servers)) from None
     span = sent[-1].sent_at - sent[0].sent_at if len(sent) > 1 else 0.0
     typer.echo(
         f"published {len(sent)} frames from {devices} devices to {settings.request_topic} "
@@ -462,10 +488,8 @@ def _run_tail(bootstrap: str, run: Callable[[], Coroutine[Any, Any, None]]) -> N
     _quiet_kafka_client()
     try:
         asyncio.run(run())
-    except StreamAppError as exc:
-        raise _fail(str(exc)) from None
-    except KafkaError as exc:
-        raise _fail(_unreachable(bootstrap, exc)) from None
+    except (StreamAppError, KafkaError) as exc:
+        raise _fail(_error_line(exc, bootstrap)) from None
     except KeyboardInterrupt:
         pass
 
@@ -556,10 +580,8 @@ def dlq_replay(
                 where=where, dry_run=dry_run, security=security,
             )
         )
-    except StreamAppError as exc:
-        raise _fail(str(exc)) from None
-    except KafkaError as exc:
-        raise _fail(_unreachable(settings.bootstrap_servers, exc)) from None
+    except (StreamAppError, KafkaError) as exc:
+        raise _fail(_error_line(exc, settings.bootstrap_servers)) from None
     not_replayable = (
         f"; {report.skipped} matching cannot be replayed (original value or key not kept, or "
         f"an undecodable record batch)" if report.skipped else ""
@@ -668,11 +690,13 @@ def tables_rebuild(
 
     try:
         settings = load_settings(broker=broker, app_id=app_id, topic_prefix=topic_prefix)
-        report = rebuild_tables(settings, partitions)
     except StreamAppError as exc:
         raise _fail(str(exc)) from None
-    except KafkaError as exc:
-        raise _fail(_unreachable(settings.bootstrap_servers, exc)) from None
+    _quiet_kafka_client()
+    try:
+        report = rebuild_tables(settings, partitions)
+    except (StreamAppError, KafkaError) as exc:
+        raise _fail(_error_line(exc, settings.bootstrap_servers)) from None
     for topic, (before, after) in report.grown.items():
         typer.echo(f"grew {topic} from {before} to {after} partitions")
     for table, rows in report.rows.items():

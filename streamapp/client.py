@@ -15,10 +15,12 @@ from typing import Any
 
 import numpy as np
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.errors import KafkaError
 from tqdm import tqdm
 
 from streamapp.codecs import CodecName, decode_dead_letter, decode_result, encode_request
-from streamapp.kafka import ensure_topics, partitions_of, start_or_close
+from streamapp.exceptions import PublishError
+from streamapp.kafka import describe_error, ensure_topics, partitions_of, start_or_close
 from streamapp.records import DeadLetter, InferenceRequest, TensorPayload
 from streamapp.settings import DEFAULT_TOPIC_PARTITIONS
 
@@ -159,7 +161,9 @@ async def publish(
 
     Raises:
         BrokerError: The topic could not be created.
-        KafkaError: The producer could not reach the broker or send.
+        PublishError: Sending failed part way (the message says how many frames were sent
+            and acknowledged before it).
+        KafkaError: The producer could not reach the broker when it started.
     """
     await _ensure_topic(bootstrap_servers, topic, partitions, security, replication_factor)
     producer = _producer(bootstrap_servers, security)
@@ -190,6 +194,16 @@ async def publish(
                 SentRequest(request.request_id, request.device_id, request.seq, now, index, now)
             )
         await asyncio.gather(*futures)
+    except KafkaError as exc:
+        # say how far it got, so that nobody re-publishes everything after a broker stall
+        acked = sum(f.done() and not f.cancelled() and f.exception() is None for f in futures)
+        raise PublishError(
+            f"publishing to {topic} on {bootstrap_servers} failed after {len(futures):,} of "
+            f"{len(requests):,} frames were sent: {acked:,} of {len(requests):,} acknowledged; "
+            f"the rest may or may not have arrived ({describe_error(exc)}). Read the topic "
+            "(or the results) before publishing them again",
+            sent=len(futures), acknowledged=acked, total=len(requests),
+        ) from exc
     finally:
         await producer.stop()
         bar.close()

@@ -38,6 +38,7 @@ __all__ = [
     "DataDirMismatchError",
     "check_data_dir",
     "lock_data_dir",
+    "make_data_dir",
 ]
 
 #: The lock file's name inside the data directory.
@@ -54,6 +55,40 @@ _HELD: dict[Path, IO[str]] = {}
 
 class DataDirInUseError(ConfigError):
     """Another live process holds the data directory's lock (not retriable: change the setting)."""
+
+
+def make_data_dir(data_dir: Path, option: str = "--data-dir / STREAMAPP_DATA_DIR") -> Path:
+    """Create ``data_dir`` (and its parents) when missing.
+
+    Args:
+        data_dir: The directory.
+        option: The setting that names it, for the error message.
+
+    Returns:
+        ``data_dir``.
+
+    Raises:
+        ConfigError: It, or one of its parents, exists and is not a directory, or it cannot be
+            created (permissions); the message names the path and ``option``.
+    """
+    try:
+        data_dir.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise ConfigError(
+            f"data directory {data_dir} is a file, not a directory: give {option} a directory "
+            "(it is created when missing)"
+        ) from None
+    except NotADirectoryError:
+        raise ConfigError(
+            f"data directory {data_dir} cannot be created: a parent of it is a file; give "
+            f"{option} a directory path"
+        ) from None
+    except OSError as exc:
+        raise ConfigError(
+            f"data directory {data_dir} cannot be created ({exc.strerror or exc}): give {option} "
+            "a directory you can write"
+        ) from None
+    return data_dir
 
 
 def lock_data_dir(data_dir: Path, *, holder: str = "worker") -> Path:
@@ -75,7 +110,7 @@ def lock_data_dir(data_dir: Path, *, holder: str = "worker") -> Path:
     path = data_dir / LOCK_NAME
     if data_dir in _HELD:
         return path
-    data_dir.mkdir(parents=True, exist_ok=True)
+    make_data_dir(data_dir)
     handle = open(path, "a+")  # stays open: closing it would release the lock
     try:
         fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -132,7 +167,7 @@ def check_data_dir(
             message names both and the options ``--data-dir`` and ``--reset-data-dir``.
     """
     data_dir = Path(data_dir)
-    data_dir.mkdir(parents=True, exist_ok=True)
+    make_data_dir(data_dir)
     path = data_dir / MARKER_NAME
     mine = {"cluster_id": cluster_id, "app_id": app_id, "partitions": partitions}
     try:

@@ -28,6 +28,7 @@ from streamapp.client import (
     publish,
 )
 from streamapp.codecs import CodecName
+from streamapp.datadir import make_data_dir
 from streamapp.kafka import create_topics
 from streamapp.models import ModelRepository
 from streamapp.process import WorkerProcess
@@ -171,7 +172,7 @@ def run_demo(
         StreamAppError: The broker or the worker could not be started.
     """
     tmp = Path(tempfile.mkdtemp(prefix="streamapp-demo-")) if workdir is None else workdir
-    tmp.mkdir(parents=True, exist_ok=True)
+    make_data_dir(tmp, "--workdir")
     app_id = f"demo-{uuid.uuid4().hex[:8]}"
     ok = False
 

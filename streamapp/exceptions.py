@@ -15,6 +15,7 @@ __all__ = [
     "InternalError",
     "InvalidRequestError",
     "ModelNotFoundError",
+    "PublishError",
     "StreamAppError",
     "TableUnavailableError",
 ]
@@ -44,6 +45,21 @@ class TableUnavailableError(StreamAppError):
 
     retriable = True
     reason = "table_unavailable"
+
+
+class PublishError(BrokerError):
+    """Sending records failed part way; the message says how many were sent and acknowledged
+    before it (the others may or may not have arrived).
+
+    Attributes:
+        sent: Records handed to the producer.
+        acknowledged: Records the broker acknowledged.
+        total: Records there were to send.
+    """
+
+    def __init__(self, message: str, *, sent: int, acknowledged: int, total: int) -> None:
+        super().__init__(message)
+        self.sent, self.acknowledged, self.total = sent, acknowledged, total
 
 
 class ConfigError(StreamAppError, ValueError):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import ssl
 import threading
 import time
@@ -33,6 +34,7 @@ __all__ = [
     "add_partitions",
     "cluster_facts",
     "create_topics",
+    "describe_error",
     "ensure_topics",
     "kafka_security_options",
     "partitions_of",
@@ -44,6 +46,22 @@ __all__ = [
     "start_or_close",
     "with_admin",
 ]
+
+
+def describe_error(exc: BaseException) -> str:
+    """``Type: message`` of an exception, the type named once.
+
+    aiokafka puts the type into the message and prefixes the error code, so ``str()`` of its
+    errors reads ``KafkaConnectionError: Unable to ...`` or ``[Error 7] RequestTimedOutError:
+    RequestTimedOutError: ...``; every message of ours that quotes a client error goes through
+    here so that none names the type twice.
+    """
+    name = type(exc).__name__
+    text = str(exc).strip()
+    repeat = re.compile(rf"^(\[Error -?\d+\] )?{re.escape(name)}(: ?|$)")
+    while (shorter := repeat.sub("", text, count=1).strip()) != text:
+        text = shorter
+    return f"{name}: {text}" if text else name
 
 _T = TypeVar("_T")
 
@@ -351,7 +369,7 @@ async def ensure_topics(
     except (KafkaError, OSError) as err:
         raise BrokerError(
             f"Cannot create topics {sorted(topics)} on {bootstrap_servers}: "
-            f"{type(err).__name__}: {err}. Check that a Kafka broker listens there."
+            f"{describe_error(err)}. Check that a Kafka broker listens there."
         ) from err
     finally:
         await admin.close()
@@ -433,8 +451,8 @@ def cluster_facts(settings: Settings, timeout_s: float = 15.0) -> ClusterFacts:
         return run_sync(lambda: with_admin(settings, ask, timeout_s))
     except (KafkaError, OSError, TimeoutError) as exc:
         raise BrokerError(
-            f"cannot read the topics of {settings.bootstrap_servers} ({type(exc).__name__}: "
-            f"{exc}); is the broker running, and are --broker and the security settings right?"
+            f"cannot read the topics of {settings.bootstrap_servers} ({describe_error(exc)}); "
+            "is the broker running, and are --broker and the security settings right?"
         ) from exc
 
 
@@ -463,7 +481,7 @@ def add_partitions(
     except (KafkaError, OSError, TimeoutError) as exc:
         raise BrokerError(
             f"cannot add partitions to {sorted(totals)} on {settings.bootstrap_servers}: "
-            f"{type(exc).__name__}: {exc} (the embedded broker cannot add partitions; Apache "
+            f"{describe_error(exc)} (the embedded broker cannot add partitions; Apache "
             "Kafka can)"
         ) from exc
 

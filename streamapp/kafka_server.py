@@ -45,7 +45,7 @@ from typing import IO, Any
 
 from streamapp.children import free_port, popen_child, port_taken, read_tail, terminate_group
 from streamapp.exceptions import BrokerError
-from streamapp.kafka import run_sync
+from streamapp.kafka import describe_error, run_sync
 
 __all__ = [
     "KAFKA_VERSION",
@@ -397,6 +397,8 @@ class KafkaBroker:
                 "already in use (another broker?). Stop whatever listens there, choose another "
                 "--port, or leave it out for a free one."
             )
+        if not self._nodes and self._given_dir is not None:
+            self._make_given_dir(self._given_dir)  # before fetching jars for a bad path
         ensure_kafka_jars()
         began = time.monotonic()
         if not self._nodes:
@@ -486,11 +488,24 @@ class KafkaBroker:
             raise BrokerError("The Kafka broker has no ports yet: call start() first.")
         return self._nodes
 
+    @staticmethod
+    def _make_given_dir(path: Path) -> Path:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            why = ("it, or a parent of it, is a file"
+                   if isinstance(exc, (FileExistsError, NotADirectoryError))
+                   else exc.strerror or str(exc))
+            raise BrokerError(
+                f"Cannot use the Kafka data directory {path}: {why}; give --data-dir a "
+                "directory (it is created when missing)."
+            ) from None
+        return path
+
     def _prepare(self) -> None:
         """Pick ports, write each node's properties and format its storage (if not yet)."""
         if self._given_dir is not None:
-            self._dir = self._given_dir
-            self._dir.mkdir(parents=True, exist_ok=True)
+            self._dir = self._make_given_dir(self._given_dir)
         else:
             self._dir = Path(tempfile.mkdtemp(prefix="streamapp-kafka-"))
         saved = self._dir / "ports.txt"  # a given data dir keeps its ports and cluster id
@@ -592,7 +607,7 @@ class KafkaBroker:
             try:
                 seen = run_sync(functools.partial(_count_brokers, self._host, node.port))
             except Exception as err:  # refused, timeouts and aiokafka errors while starting
-                seen, last = 0, f"{type(err).__name__}: {err}"
+                seen, last = 0, describe_error(err)
             if seen >= self._n:
                 waiting.pop(0)
                 continue

@@ -122,8 +122,8 @@ METRIC_FAMILIES: tuple[tuple[str, str, str, str], ...] = (
      "Partition count of the request and retry topics as the worker's consumer sees them, and "
      "of the tables (topic `tables`)."),
     ("streamapp_table_updates_skipped_total", "counter", "",
-     "Device-state flushes and retry-counter writes skipped while the partition counts "
-     "differed."),
+     "Device-state flushes and retry-counter writes skipped while the partition counts of "
+     "the topics and the tables differed."),
     ("streamapp_table_write_errors_total", "counter", "table",
      "Table writes RocksDB refused (a full disk); the rows are kept in memory and written "
      "when the database takes writes again (docs/tables.md)."),

@@ -103,8 +103,9 @@ def rebuild_tables(
         What was grown and moved.
 
     Raises:
-        TablePartitionsError: The request topic does not exist, a topic has more partitions
-            than asked for, or workers of the group are still running.
+        TablePartitionsError: The request topic or every changelog of the app does not exist,
+            a topic has more partitions than asked for, or workers of the group are still
+            running.
         BrokerError: The broker refused to grow a topic or could not be reached.
     """
     facts = cluster_facts(settings)
@@ -117,6 +118,12 @@ def rebuild_tables(
         )
     target = partitions or request
     tables = {t: changelog_topic(settings.app_id, t) for t in TABLE_NAMES}
+    if not any(topic in have for topic in tables.values()):
+        raise TablePartitionsError(
+            f"no changelog topic of app {settings.app_id!r} exists on "
+            f"{settings.bootstrap_servers} (looked for {', '.join(sorted(tables.values()))}): "
+            "nothing to rebuild; check --app-id (the workers' STREAMAPP_APP_ID) and --broker"
+        )
     topics = [settings.request_topic, settings.retry_topic, *tables.values()]
     for topic in topics:
         if have.get(topic, 0) > target:

@@ -58,3 +58,26 @@ def test_license_file_is_the_one_pyproject_declares() -> None:
     text = (ROOT / "LICENSE").read_text()
     assert text.lstrip().startswith("Apache License")
     assert "Version 2.0, January 2004" in text
+
+
+def test_api_doc_lists_the_load_refusals_and_shows_the_status_example_once() -> None:
+    text = (ROOT / "docs" / "api.md").read_text()
+
+    assert text.count("$ streamapp status http://127.0.0.1:6066 --interval 3") == 1
+    assert text.count("streamapp workers\n┏") == 1
+    assert "| 429 | `rate_limited` |" in text and "| 503 | `busy` |" in text
+    assert "`Retry-After`" in text and "`retry_after_s`" in text
+    assert "Only `sort=device_id` walks every device exactly once" in text
+
+
+def test_the_skipped_updates_metric_says_what_docs_tables_md_says() -> None:
+    from streamapp.metrics import metrics_reference
+
+    help_text = next(line for line in metrics_reference().splitlines()
+                     if "streamapp_table_updates_skipped_total" in line).split(" | ")[-1]
+    tables = " ".join((ROOT / "docs" / "tables.md")
+                      .read_text().split())
+    assert help_text.rstrip(" |.") == ("Device-state flushes and retry-counter writes skipped "
+                                       "while the partition counts of the topics and the "
+                                       "tables differed")
+    assert help_text.rstrip(" |.").lower() in tables.lower()

@@ -48,12 +48,38 @@ from typing import Any
 from streamapp.agents.observer import Outcome
 from streamapp.tables.windows import WindowPlan, WindowRange
 
-__all__ = ["DeviceDelta", "merge_bucket", "public_stats", "render_window", "update_stats"]
+__all__ = [
+    "DeviceDelta",
+    "empty_stats",
+    "merge_bucket",
+    "public_stats",
+    "render_window",
+    "update_stats",
+]
 
 #: Outcome kinds that finish a request.
 FINAL_KINDS = ("result", "dead_letter")
 _COUNT_KINDS = ("result", "dead_letter", "retry")
 _LATENCIES = ("e2e", "queue", "infer")
+
+
+def empty_stats(device_id: str) -> dict[str, Any]:
+    """The stats row of a device with nothing counted yet: every field ``GET /devices/{id}``
+    documents, counts 0, the by-reason objects empty, the rest null (what a row started
+    afresh after an unreadable one answers, :mod:`streamapp.tables.rows`)."""
+    return {
+        "device_id": device_id,
+        "total": 0,
+        "counts": {k: 0 for k in _COUNT_KINDS},
+        "dead_letters_by_reason": {},
+        "retries_by_reason": {},
+        "last_seq": None,
+        "last_result": None,
+        "latency_ewma_ms": {name: None for name in _LATENCIES},
+        "clock_skew": {"count": 0, "last_ms": None, "last_ts": None},
+        "first_seen": None,
+        "last_seen": None,
+    }
 
 
 def _empty_bucket() -> dict[str, Any]:
@@ -237,7 +263,8 @@ def update_stats(
         "last_result": delta.last_result or old.get("last_result"),
         "latency_ewma_ms": {k: (None if v is None else round(v, 3)) for k, v in ewma.items()},
         "clock_skew": _clock_skew(old.get("clock_skew"), delta),
-        "first_seen": old.get("first_seen", delta.first_ts),
+        "first_seen": (old["first_seen"] if old.get("first_seen") is not None
+                       else delta.first_ts),
         "last_seen": delta.last_ts if delta.last_ts is not None else old.get("last_seen"),
         "_buckets": {size: starts for size, starts in index.items() if starts},
         # what the buckets were written with: a worker started with other window sizes

@@ -33,6 +33,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from streamapp.tables.aggregates import empty_stats
 from streamapp.tables.base import split_bucket_key
 
 __all__ = [
@@ -182,10 +183,6 @@ def decode_row(raw: bytes, kind: RowKind) -> tuple[dict[str, Any] | None, str, s
     return value, "", ""
 
 
-def _empty_counts() -> dict[str, int]:
-    return {"result": 0, "dead_letter": 0, "retry": 0}
-
-
 @dataclass(frozen=True)
 class Verdict:
     """What to do with a changelog record: ``keep`` it, ``replace`` its value by ``value``
@@ -278,8 +275,7 @@ class RowScreen:
         reset = {"reason": reason, "detail": detail, "at": round(self.clock(), 3),
                  "source": source}
         if self.kind == "stats":
-            return {"device_id": key.decode("utf-8", "replace"), "total": 0,
-                    "counts": _empty_counts(), "state_reset": reset}
+            return {**empty_stats(key.decode("utf-8", "replace")), "state_reset": reset}
         if self.kind == "bucket":
             return {"count": 0, "results": 0, "dead_letters": 0, "retries": 0,
                     "e2e_sum_ms": 0.0, "e2e_n": 0, "e2e_max_ms": None, "labels": {},

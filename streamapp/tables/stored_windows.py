@@ -27,7 +27,12 @@ from typing import Any
 from aiokafka.errors import KafkaError
 
 from streamapp.exceptions import ConfigError
-from streamapp.kafka import kafka_security_options, read_partition_tails, run_sync
+from streamapp.kafka import (
+    describe_error,
+    kafka_security_options,
+    read_partition_tails,
+    run_sync,
+)
 from streamapp.settings import Settings
 from streamapp.tables.rows import decode_row
 from streamapp.tables.windows import WindowPlan
@@ -106,7 +111,7 @@ def check_stored_windows(settings: Settings, *, changelog: str | None = None) ->
         ))
     except (KafkaError, OSError, TimeoutError) as exc:  # the worker waits for its broker
         return (f"the window sizes of the stored state could not be read from {topic} "
-                f"({type(exc).__name__}: {exc}): not checked")
+                f"({describe_error(exc)}): not checked")
     stored = newest_stored_windows(tails)
     if stored is None:
         return None

@@ -50,7 +50,10 @@ ENDPOINTS: tuple[tuple[str, str, str, str], ...] = (
      "`cursor` (the previous page's `next_cursor`) or `offset` (0)",
      "Devices **this** worker owns: `count`, `devices` (id, total, counts, last seq, last "
      "seen, e2e EWMA), `next_cursor` and `next_offset` (null on the last page). From a "
-     "snapshot up to `web_cache_ms` old (longer while a scan of many devices is slow)."),
+     "snapshot up to `web_cache_ms` old (longer while a scan of many devices is slow). Only "
+     "`sort=device_id` walks every device exactly once: with `-total` or `-last_seen` a later "
+     "page is cut from a newer snapshot, so devices whose values changed in between can be "
+     "skipped or repeated."),
     ("GET", "/devices/{device_id}", "",
      "The device's stats from its owner (any worker forwards): `total`, `counts` by outcome, "
      "dead letters and retries by reason, `last_seq`, `last_result`, `latency_ewma_ms`, "

@@ -3,16 +3,21 @@ item 6)."""
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+from aiokafka.errors import IncompatibleBrokerVersion, KafkaConnectionError, RequestTimedOutError
 from typer.testing import CliRunner
 
 from streamapp.cli import cli
+from streamapp.exceptions import BrokerError
+from streamapp.kafka import describe_error
 from streamapp.settings import Settings
 
 COMMANDS = [["broker"], ["worker"], ["publish"], ["demo"], ["settings"], ["status"],
@@ -77,20 +82,152 @@ def test_broker_on_a_served_port_fails_at_once_with_one_line(
     (line,) = result.stderr.splitlines()
     assert line.startswith("error: Cannot start ")
     assert f"port {served_port} on 127.0.0.1 is already in use" in line
+    assert "choose another --port" in line and "pass port=None" not in line
 
 
+@pytest.mark.parametrize("command", [["dlq", "tail"], ["results", "tail"], ["publish"],
+                                     ["tables", "rebuild"], ["worker"]], ids=" ".join)
 def test_an_unreachable_broker_is_one_line_naming_no_type_twice(
-    runner: CliRunner, served_port: int
+    command: list[str], tmp_path: Path
 ) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         closed = s.getsockname()[1]
-    result = runner.invoke(cli, ["dlq", "tail", "--broker", f"kafka://127.0.0.1:{closed}"],
-                           prog_name="streamapp")
+    # a subprocess: aiokafka's own "Unable connect" ERROR lines must not reach stderr either
+    result = subprocess.run(
+        [sys.executable, "-m", "streamapp", *command, "--broker", f"kafka://127.0.0.1:{closed}"],
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "STREAMAPP_BROKER_KIND": "kafka",
+             "STREAMAPP_DATA_DIR": str(tmp_path / "data")},
+    )
 
-    assert result.exit_code == 1
-    (line,) = result.output.splitlines()
+    assert result.returncode == 1 and result.stdout == ""
+    (line,) = result.stderr.splitlines()
     assert line == (
         f"error: cannot talk to the broker at 127.0.0.1:{closed}: no broker answered "
         "(connection refused or timed out). Is it running (streamapp broker), and are --broker "
         "/ STREAMAPP_BROKER and the security settings right?")
+
+
+@pytest.mark.parametrize("port", ["99999", "0", "-5"])
+@pytest.mark.parametrize("kafka", [True, False], ids=["kafka", "embedded"])
+def test_broker_port_out_of_range_is_one_usage_line(
+    runner: CliRunner, port: str, kafka: bool
+) -> None:
+    args = ["broker", "--port", port, *(["--kafka"] if kafka else [])]
+    result = runner.invoke(cli, args, prog_name="streamapp")
+
+    assert result.exit_code == 2
+    assert result.output.splitlines() == [
+        f"error: --port must be a TCP port, 1-65535, or leave it out for a free one; got {port}"]
+
+
+def test_worker_web_port_out_of_range_is_one_usage_line(runner: CliRunner) -> None:
+    result = runner.invoke(cli, ["worker", "--web-port", "99999"], prog_name="streamapp")
+
+    assert result.exit_code == 2
+    assert result.output.splitlines() == [
+        "error: --web-port must be a TCP port, 1-65535, or 0 for a free port; got 99999"]
+
+
+@pytest.fixture
+def a_file(tmp_path: Path) -> Path:
+    path = tmp_path / "file"
+    path.write_text("not a directory")
+    return path
+
+
+@pytest.mark.parametrize("below", [False, True], ids=["the-file", "below-it"])
+def test_worker_data_dir_that_is_a_file_is_one_line(
+    runner: CliRunner, a_file: Path, below: bool
+) -> None:
+    given = a_file / "sub" if below else a_file
+    result = runner.invoke(
+        cli, ["worker", "--data-dir", str(given), "--broker", "kafka://127.0.0.1:1"],
+        env={"STREAMAPP_BROKER_KIND": "kafka"}, prog_name="streamapp",
+    )
+
+    assert result.exit_code == 1
+    assert result.output.splitlines() == [
+        f"error: data directory {given} cannot be created: a parent of it is a file; give "
+        "--data-dir / STREAMAPP_DATA_DIR a directory path" if below else
+        f"error: data directory {given} is a file, not a directory: give --data-dir / "
+        "STREAMAPP_DATA_DIR a directory (it is created when missing)"]
+
+
+def test_kafka_broker_data_dir_that_is_a_file_is_one_line(a_file: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "streamapp", "broker", "--kafka", "--data-dir", str(a_file)],
+        capture_output=True, text=True, timeout=60)
+
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.splitlines() == [
+        f"error: Cannot use the Kafka data directory {a_file}: it, or a parent of it, is a "
+        "file; give --data-dir a directory (it is created when missing)."]
+
+
+def test_demo_workdir_that_is_a_file_is_one_line(runner: CliRunner, a_file: Path) -> None:
+    result = runner.invoke(cli, ["demo", "--workdir", str(a_file)], prog_name="streamapp")
+
+    assert result.exit_code == 1
+    assert result.output.splitlines() == [
+        f"error: data directory {a_file} is a file, not a directory: give --workdir a "
+        "directory (it is created when missing)"]
+
+
+@pytest.mark.parametrize(("error", "line"), [
+    (KafkaConnectionError("KafkaConnectionError: Unable to bootstrap from [...]"),
+     "KafkaConnectionError: Unable to bootstrap from [...]"),
+    (IncompatibleBrokerVersion("IncompatibleBrokerVersion: Kafka broker does not support the "
+                               "'CreatePartitionsRequest_v0' Kafka protocol."),
+     "IncompatibleBrokerVersion: Kafka broker does not support the "
+     "'CreatePartitionsRequest_v0' Kafka protocol."),
+    (RequestTimedOutError("RequestTimedOutError: no answer in 40 s"),
+     "RequestTimedOutError: no answer in 40 s"),
+    (RequestTimedOutError(), "RequestTimedOutError"),
+])
+def test_a_client_error_is_quoted_with_its_type_once(error: Exception, line: str) -> None:
+    assert describe_error(error) == line
+
+
+def test_tables_rebuild_on_a_broker_that_cannot_add_partitions_names_the_type_once(
+    runner: CliRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from streamapp import kafka
+
+    def refuse(*_args: object, **_kwargs: object) -> None:
+        raise IncompatibleBrokerVersion(
+            "IncompatibleBrokerVersion: Kafka broker does not support it")
+
+    monkeypatch.setattr(kafka, "with_admin", refuse)
+    settings = Settings(broker="kafka://127.0.0.1:9092")
+
+    with pytest.raises(BrokerError) as raised:
+        kafka.add_partitions(settings, {"inference-request": 8})
+
+    assert str(raised.value) == (
+        "cannot add partitions to ['inference-request'] on 127.0.0.1:9092: "
+        "IncompatibleBrokerVersion: Kafka broker does not support it (the embedded broker "
+        "cannot add partitions; Apache Kafka can)")
+
+
+def test_tables_rebuild_of_an_app_without_changelogs_refuses_with_one_line(
+    runner: CliRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from streamapp import rebuild
+    from streamapp.kafka import ClusterFacts
+
+    grown: list[object] = []
+    facts = ClusterFacts("c", {"inference-request": 4, "inference-retry": 4,
+                               "streamapp-device_stats-changelog": 4})
+    monkeypatch.setattr(rebuild, "cluster_facts", lambda _settings: facts)
+    monkeypatch.setattr(rebuild, "add_partitions", lambda *args: grown.append(args))
+    result = runner.invoke(cli, ["tables", "rebuild", "-b", "kafka://127.0.0.1:9092",
+                                 "--app-id", "nosuchapp"], prog_name="streamapp")
+
+    assert result.exit_code == 1 and grown == []
+    assert result.output.splitlines() == [
+        "error: no changelog topic of app 'nosuchapp' exists on 127.0.0.1:9092 (looked for "
+        "nosuchapp-device_stats-changelog, nosuchapp-device_windows-changelog, "
+        "nosuchapp-retry_counts-changelog): nothing to rebuild; check --app-id (the workers' "
+        "STREAMAPP_APP_ID) and --broker"]

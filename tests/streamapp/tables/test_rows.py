@@ -65,6 +65,15 @@ async def test_a_device_whose_stored_row_is_bad_answers_the_reset_then_counts_af
             before = reader.stats(b"cam1")
             assert before is not None and before["total"] == 0
             assert before["state_reset"]["reason"] == "bad_shape"
+            # every documented field, as a fresh device has it (not only until the next write)
+            assert {k: v for k, v in before.items() if k != "state_reset"} == {
+                "device_id": "cam1", "total": 0,
+                "counts": {"result": 0, "dead_letter": 0, "retry": 0},
+                "dead_letters_by_reason": {}, "retries_by_reason": {}, "last_seq": None,
+                "last_result": None,
+                "latency_ewma_ms": {"e2e": None, "queue": None, "infer": None},
+                "clock_skew": {"count": 0, "last_ms": None, "last_ts": None},
+                "first_seen": None, "last_seen": None}
             assert reader.windows(b"cam1", "tumbling", 3) is not None  # no 500 either
             assert [d["total"] for d in reader.devices()] == [0]
             for seq in range(3):
@@ -75,6 +84,7 @@ async def test_a_device_whose_stored_row_is_bad_answers_the_reset_then_counts_af
         assert after is not None
         assert (after["total"], after["counts"]["result"]) == (3, 3)  # afresh, and says so
         assert after["state_reset"] == before["state_reset"]
+        assert after["first_seen"] == 1_000.0 and after["last_seq"] == 2  # filled in afresh
         assert json.loads(tables.stats[b"cam1"])["total"] == 3  # the bad row is overwritten
     errors = [r for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 3  # one per bad row, however often it was read
