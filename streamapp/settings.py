@@ -193,6 +193,14 @@ class Settings(BaseSettings):
         "workers' batches after the first one arrived (ms); while every executor slot is busy "
         "it keeps filling anyway. Only with gpu_executor=shared.",
     )
+    gpu_server_wait_s: float = Field(
+        60.0, ge=0,
+        description="How long a batch waits for an unreachable executor server to come back "
+        "(restarted by `worker --processes N`) before it fails retriably through the retry "
+        "topic (s); the batches it held are sent again (at-least-once), and waiting does not "
+        "use up the requests' max_retries. Reading pauses meanwhile (backpressure). 0: fail "
+        "at once. Only with gpu_executor=shared.",
+    )
     models_dir: Path | None = Field(
         None, description="Model repository; default: the models bundled with streamapp."
     )

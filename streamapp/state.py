@@ -94,6 +94,27 @@ class WorkerState:
                 getattr(m.executor, "connected", True) for m in self.runtime.models.values())
         return checks
 
+    def readiness_problems(self, checks: dict[str, bool]) -> dict[str, str]:
+        """Why the failing checks of :meth:`readiness` fail, for ``/ready``'s ``problems``
+        (a sentence each; only ``gpu_server_reachable`` so far)."""
+        out: dict[str, str] = {}
+        if checks.get("gpu_server_reachable", True):
+            return out
+        if not self.runtime.ready:
+            out["gpu_server_reachable"] = "the models are not connected to the executor " \
+                "server yet (see engines_warm)"
+            return out
+        lost = sorted({str(getattr(m.executor, "path", "?")) for m in
+                       self.runtime.models.values()
+                       if not getattr(m.executor, "connected", True)})
+        out["gpu_server_reachable"] = (
+            f"the executor server at {', '.join(lost)} is not reachable: the worker "
+            "reconnects on its own and batches wait up to gpu_server_wait_s "
+            f"({self.settings.gpu_server_wait_s:g} s) for it, reading paused; a server that "
+            "does not come back: its log (`streamapp worker --processes N` restarts it, "
+            "`streamapp gpu-server` starts one by hand)")
+        return out
+
     def degraded(self) -> dict[str, str]:
         """Why the device state is degraded now, by component (empty: it is not): tables whose
         rows are kept in memory (a full disk: still served and kept, ``/ready`` stays 200 for

@@ -479,7 +479,7 @@ class Supervisor:
             delay = self.policy.backoff_s(server.quick_crashes)
             server.state = "backoff"
             log.warning("supervisor: gpu-server %d exited with %s after %.1f s; restart %d in "
-                        "%.1f s (its workers' batches fail retriably meanwhile)", spec.index,
+                        "%.1f s (its workers' batches wait for it, gpu_server_wait_s)", spec.index,
                         describe_exit(rc), ran_s, server.restarts + 1, delay)
             self._write_state()
             with contextlib.suppress(asyncio.TimeoutError):

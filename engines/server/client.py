@@ -6,11 +6,18 @@ Threads, as in :class:`~engines.executor.cuda.CudaExecutor`, so that the executo
 any event loop and can connect before one exists (a worker loads its models before Faust
 starts its loop): a small pool writes a batch into its shared-memory slot and sends the header
 (off the event loop), one reader thread per connection receives answers, copies the outputs out
-of the slot and resolves the caller's future with ``loop.call_soon_threadsafe``. When the
-connection breaks, every batch in flight fails with the retriable
-:class:`~engines.exceptions.ExecutorUnavailableError`, later calls fail the same way at once
-(:attr:`SharedExecutor.connected` is False: the worker's ``/ready`` says so), and a background
-thread reconnects with backoff (0.05 s doubling to 1 s).
+of the slot and resolves the caller's future with ``loop.call_soon_threadsafe``.
+
+A server that is down is not the batch's fault, so it does not fail the batch at once: when
+the connection breaks, a background thread reconnects with backoff (0.05 s doubling to 1 s),
+:attr:`SharedExecutor.connected` is False meanwhile (the worker's ``/ready`` says so), and each
+call of :meth:`SharedExecutor.run` waits for the reconnect and sends its batch again, which it
+still holds (at-least-once: a batch whose outputs were lost with the server simply runs again).
+Only a server that stays away for ``wait_s`` from the call's start, or a batch that the server
+died with ``max_resubmits`` + 1 times (it may be what kills it), fails with the retriable
+:class:`~engines.exceptions.ExecutorUnavailableError`; the stream processor then retries it
+through its retry topic as any transient failure. A waiting call holds its caller's in-flight
+slot, so the pipeline stops reading while the server is down (backpressure).
 """
 
 from __future__ import annotations
@@ -59,6 +66,22 @@ __all__ = ["RemoteEngine", "RemoteImageEngine", "SharedExecutor", "query_stats"]
 log = logging.getLogger(__name__)
 
 _RECONNECT_MIN_S, _RECONNECT_MAX_S = 0.05, 1.0
+
+
+class _Lost(Exception):
+    """A batch's connection went away before its answer came (internal to the client: the
+    caller of :meth:`SharedExecutor.run` waits and re-submits; see the module docstring)."""
+
+    def __init__(self, message: str, *, in_flight: bool) -> None:
+        super().__init__(message)
+        #: True when the server may have had the batch (it died with it), False when the
+        #: batch never left this process.
+        self.in_flight = in_flight
+
+
+def _wake(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -149,6 +172,11 @@ class SharedExecutor(Executor):
         max_inflight: Batches in flight (= shared-memory slots of this client), >= 1.
         connect_timeout_s: How long connecting and the handshake may take (s).
         shm: Put payloads in shared memory (default); False: inline in the socket frames.
+        wait_s: How long :meth:`run` waits for an unreachable server to come back (s, from
+            the call's start) before it fails with :class:`ExecutorUnavailableError`; 0: it
+            fails at once.
+        max_resubmits: How often :meth:`run` sends a batch again after the server died with
+            it (a batch that kills the server each time fails after this many, retriably).
 
     Attributes:
         engine: A :class:`RemoteEngine` (or :class:`RemoteImageEngine`) with the served IO
@@ -158,15 +186,20 @@ class SharedExecutor(Executor):
     Raises:
         ExecutorUnavailableError: No server answers at ``path``.
         InputSpecError: The server does not serve ``model``.
-        ValueError: ``max_inflight`` < 1.
+        ValueError: ``max_inflight`` < 1, or ``wait_s`` or ``max_resubmits`` < 0.
     """
 
     engine: RemoteEngine
 
     def __init__(self, path: str | Path, model: str, *, max_inflight: int = 2,
-                 connect_timeout_s: float = 10.0, shm: bool = True) -> None:
+                 connect_timeout_s: float = 10.0, shm: bool = True, wait_s: float = 60.0,
+                 max_resubmits: int = 2) -> None:
         if max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
+        if wait_s < 0 or max_resubmits < 0:
+            raise ValueError(f"wait_s and max_resubmits must be >= 0, got {wait_s} and "
+                             f"{max_resubmits}")
+        self.wait_s, self.max_resubmits = float(wait_s), max_resubmits
         self.path, self.model = str(path), model
         self.max_inflight = max_inflight
         self.connect_timeout_s = connect_timeout_s
@@ -186,7 +219,10 @@ class SharedExecutor(Executor):
         self._stop = threading.Event()
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=max_inflight, thread_name_prefix="shared-exec")
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+        #: Connections lost, and batches sent again after one was lost.
         self.disconnects = 0
+        self.resubmits = 0
         try:
             self._connect()
         except (OSError, ConnectionError) as exc:
@@ -238,6 +274,14 @@ class SharedExecutor(Executor):
             generation = self._generation
         threading.Thread(target=self._read_loop, args=(sock, generation), daemon=True,
                          name=f"shared-exec-reader-{self.model}").start()
+        self._wake_waiters()
+
+    def _wake_waiters(self) -> None:
+        with self._lock:
+            waiters, self._waiters = self._waiters, []
+        for loop, future in waiters:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+                loop.call_soon_threadsafe(_wake, future)
 
     def _learn(self, hello: Mapping[str, Any]) -> None:
         try:
@@ -326,11 +370,11 @@ class SharedExecutor(Executor):
         with contextlib.suppress(OSError):
             sock.close()
         if not self._closed:
-            log.warning("lost the executor server at %s (%s); %d batch(es) in flight fail "
-                        "(retriable), reconnecting", self.path, reason, len(pending))
-        error = ExecutorUnavailableError(
-            f"the executor server at {self.path} went away with the batch in flight "
-            f"({reason})")
+            log.warning("lost the executor server at %s (%s); reconnecting, %d batch(es) in "
+                        "flight are re-submitted once it is back (up to %g s)", self.path,
+                        reason, len(pending), self.wait_s)
+        error = _Lost(f"the executor server at {self.path} went away with the batch in "
+                      f"flight ({reason})", in_flight=True)
         for entry in pending.values():
             self._hand_over(entry, None, error)
         self._start_reconnect()
@@ -396,7 +440,9 @@ class SharedExecutor(Executor):
             sock.sendall(data)
 
     async def run(self, items: Sequence[Item]) -> dict[str, np.ndarray]:
-        """Run ``items`` as (part of) one batch on the server's engine.
+        """Run ``items`` as (part of) one batch on the server's engine. While the server is
+        unreachable, waits for it to come back (up to ``wait_s`` from the call) and sends the
+        batch again (module docstring).
 
         Args:
             items: 1..``max_batch`` items, each input name → ``dtype[*item_shape]`` (or an
@@ -408,16 +454,75 @@ class SharedExecutor(Executor):
 
         Raises:
             InputSpecError: An item does not fit the engine's inputs (not retriable).
-            ExecutorUnavailableError: The server is unreachable or died with the batch in
-                flight (retriable).
+            ExecutorUnavailableError: The server stayed unreachable for ``wait_s``, or died
+                with the batch more than ``max_resubmits`` times (retriable).
             EngineRuntimeError: The server's engine failed (retriable).
             EngineClosedError: The executor is closed.
         """
         check_batch(items, closed=self._closed, max_batch=self.max_batch, who="the server's")
-        if self._sock is None:
+        deadline = time.monotonic() + self.wait_s
+        lost_in_flight = 0
+        while True:
+            await self._until_connected(deadline)
+            try:
+                return await self._submit(items)
+            except _Lost as exc:
+                lost_in_flight += exc.in_flight
+                if self._closed:  # the worker stops: retriable, the batch is not at fault
+                    raise ExecutorUnavailableError(
+                        f"{exc}; the shared executor was closed meanwhile") from None
+                if lost_in_flight > self.max_resubmits:
+                    raise ExecutorUnavailableError(
+                        f"{exc}; the server died with this batch {lost_in_flight} times, "
+                        f"more than max_resubmits={self.max_resubmits}: the batch may be what "
+                        "kills it (the server's log says why it exited)") from None
+                if time.monotonic() >= deadline:
+                    raise ExecutorUnavailableError(
+                        f"{exc}; not back within {self.wait_s:g} s (gpu_server_wait_s): is "
+                        "the server restarting (its log, `streamapp worker --processes N` "
+                        "restarts it)?") from None
+                self.resubmits += 1
+
+    async def _until_connected(self, deadline: float) -> None:
+        """Return once connected; wait for the reconnect until ``deadline`` (monotonic s).
+
+        Raises:
+            ExecutorUnavailableError: Still not connected at ``deadline``, or the executor
+                was closed meanwhile (retriable: the batch is not at fault).
+        """
+        loop = asyncio.get_running_loop()
+        while True:
+            if self._closed:
+                raise ExecutorUnavailableError(
+                    f"the shared executor was closed while waiting for the executor server "
+                    f"at {self.path}")
+            if self._sock is not None:
+                return
             self._start_reconnect()
-            raise ExecutorUnavailableError(
-                f"the executor server at {self.path} is not reachable (reconnecting)")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise ExecutorUnavailableError(
+                    f"the executor server at {self.path} is not reachable (reconnecting); "
+                    f"waited {self.wait_s:g} s (gpu_server_wait_s) for it to come back: is it "
+                    "running (`streamapp gpu-server`, or `streamapp worker --processes N "
+                    "--gpu-executor shared`, which restarts it)?")
+            future: asyncio.Future[None] = loop.create_future()
+            with self._lock:
+                if self._sock is not None:  # connected since the check above
+                    continue
+                self._waiters.append((loop, future))
+            try:
+                await asyncio.wait({future}, timeout=remaining)
+            finally:
+                with self._lock, contextlib.suppress(ValueError):
+                    self._waiters.remove((loop, future))
+
+    async def _submit(self, items: Sequence[Item]) -> dict[str, np.ndarray]:
+        """Send ``items`` once and wait for the answer.
+
+        Raises:
+            _Lost: The connection went away before the answer (or before sending).
+        """
         if self._sem is None:
             self._sem = asyncio.Semaphore(self.max_inflight)
         await self._sem.acquire()
@@ -436,8 +541,8 @@ class SharedExecutor(Executor):
             if mine:  # else an answer or a lost connection already handed it over
                 error: BaseException = exc
                 if isinstance(exc, OSError | ConnectionError):
-                    error = ExecutorUnavailableError(
-                        f"cannot send the batch to the executor server at {self.path}: {exc}")
+                    error = _Lost(f"cannot send the batch to the executor server at "
+                                  f"{self.path}: {exc}", in_flight=False)
                 self._resolve(pending, None, error)
             if not isinstance(exc, Exception):
                 raise
@@ -452,6 +557,7 @@ class SharedExecutor(Executor):
             await asyncio.sleep(0.005)
         self._closed = True
         self._stop.set()
+        self._wake_waiters()  # calls waiting for a reconnect fail (retriably)
         with self._lock:
             sock, self._sock = self._sock, None
             self._generation += 1

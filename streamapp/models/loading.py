@@ -108,7 +108,8 @@ def connect_models(settings: Settings) -> dict[str, LoadedModel]:
     loaded = {}
     for name in settings.models:
         config = repo.get(name)
-        executor = SharedExecutor(path, name, max_inflight=settings.max_inflight_batches)
+        executor = SharedExecutor(path, name, max_inflight=settings.max_inflight_batches,
+                                  wait_s=settings.gpu_server_wait_s)
         loaded[name] = LoadedModel(config, executor)
         log.info("model %s v%s served by the executor server at %s (%s)", name,
                  config.version, path, executor.engine.info.tag)

@@ -33,7 +33,8 @@ ENDPOINTS: tuple[tuple[str, str, str, str], ...] = (
     ("GET", "/ready", "",
      "Readiness: 200 when partitions are assigned, every engine is loaded and warmed up, the "
      "tables are recovered and their partition count matches the request and retry topics' "
-     "(`table_partitions_match`; docs/tables.md), a bootstrap server answers a Kafka request "
+     "(`table_partitions_match`; docs/tables.md), with `gpu_executor=shared` the executor "
+     "server is reachable (`gpu_server_reachable`), a bootstrap server answers a Kafka request "
      "within `ready_probe_timeout_ms` and, while records wait, the worker made progress within "
      "`ready_stall_s`; 503 otherwise. Body: `ready`, `checks` (name → bool), `problems` "
      "(failing check → why), `assigned`, `engines`, `state` (`ok`, or `degraded` while device "

@@ -28,7 +28,8 @@ def add_health_views(app: faust.App, state: WorkerState) -> None:
     @app.page("/ready")
     class Ready(ApiView):
         """200 when partitions are assigned, engines warmed up, tables recovered, their
-        partition count matches the topics', a broker answers a Kafka request and the worker
+        partition count matches the topics', the executor server is reachable (with
+        ``gpu_executor=shared``), a broker answers a Kafka request and the worker
         makes progress while records wait; else 503. ``state`` is ``degraded`` (with the
         reasons in ``degraded``) while device state is degraded; rows kept in memory only (a
         full disk) alone keep 200."""
@@ -37,6 +38,7 @@ def add_health_views(app: faust.App, state: WorkerState) -> None:
             check_params(request.query, ())
             checks = state.readiness()
             broker, problems = await state.broker_checks()
+            problems.update(state.readiness_problems(checks))
             checks.update(broker)
             ready = all(checks.values())
             degraded = state.degraded()  # served and kept, but not as it should be

@@ -148,3 +148,24 @@ def test_stall_s_zero_never_reports_a_stall() -> None:
     watch.observe("same", waiting=10)
     clock.now += 3600.0
     assert watch.observe("same", waiting=10) is None
+
+
+def test_an_unreachable_gpu_server_says_why_in_problems() -> None:
+    """``/ready``'s ``problems`` names the executor server that is down and the wait; a
+    reachable one adds nothing."""
+    from types import SimpleNamespace
+
+    from streamapp.settings import Settings
+    from streamapp.state import WorkerState
+
+    down = SimpleNamespace(executor=SimpleNamespace(connected=False, path="/tmp/g.sock"))
+    up = SimpleNamespace(executor=SimpleNamespace(connected=True, path="/tmp/h.sock"))
+    state = SimpleNamespace(
+        runtime=SimpleNamespace(ready=True, models={"digits": down, "other": up}),
+        settings=Settings(gpu_executor="shared", gpu_server_wait_s=45))
+    problems = WorkerState.readiness_problems(state, {"gpu_server_reachable": False})  # type: ignore[arg-type]
+    assert list(problems) == ["gpu_server_reachable"]
+    assert problems["gpu_server_reachable"].startswith(
+        "the executor server at /tmp/g.sock is not reachable")
+    assert "gpu_server_wait_s (45 s)" in problems["gpu_server_reachable"]
+    assert WorkerState.readiness_problems(state, {"gpu_server_reachable": True}) == {}  # type: ignore[arg-type]

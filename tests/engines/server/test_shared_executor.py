@@ -1,6 +1,7 @@
 """The executor server and its client on CPU (ONNX Runtime, the bundled digits model): the
 predictions equal the in-process executor's, sub-batches of two clients are merged into one
-engine batch, and a server that dies fails the batch in flight with the retriable error."""
+engine batch, a batch in flight when the server dies runs again on the restarted server, and
+one whose server stays away longer than ``wait_s`` fails with the retriable error."""
 
 from __future__ import annotations
 
@@ -173,37 +174,77 @@ def _listening(path: Path) -> bool:
 
 
 @pytest.mark.slow
-async def test_a_killed_server_fails_the_pending_batch_retriably_and_the_client_reconnects(
+async def test_a_batch_pending_when_the_server_dies_completes_once_it_is_restarted(
     frames: np.ndarray, tmp_path: Path,
 ) -> None:
+    """A killed server is not the batch's fault: the client waits for the restarted server
+    and sends the batch again (its outputs died with the server); a client whose
+    ``wait_s`` runs out first fails its batch with the retriable error."""
     path, log = tmp_path / "s.sock", tmp_path / "server.log"
-    # a delay of 60 s: the batch of 8 waits in the server's batcher until the kill
+    # a delay of 60 s: both clients' batches of 8 wait in the server's batcher until the kill
     server = _start_server(path, log, 60_000.0)
+    client = short = None
+    try:
+        await _until("listening", lambda: _listening(path), log)
+        client, short = await _client(path), await _client(path, wait_s=0.5)
+        pending = asyncio.ensure_future(client.run(_items(frames[:8])))
+        sent_at = time.monotonic()
+        doomed = asyncio.ensure_future(short.run(_items(frames[8:16])))
+        await _until("both batches queued in the server",
+                     lambda: query_stats(path)["digits"]["sub_batches"] == 2, log)
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+        await _until("disconnected", lambda: not client.connected, log)  # type: ignore[union-attr]
+
+        with pytest.raises(ExecutorUnavailableError, match=r"waited 0\.5 s") as failed:
+            await asyncio.wait_for(doomed, 10)
+        assert time.monotonic() - sent_at >= 0.5  # wait_s counts from the call
+        assert failed.value.retriable is True and failed.value.reason == "executor_unavailable"
+        assert not pending.done()  # the default client still waits (60 s)
+        later = asyncio.ensure_future(client.run(_items(frames[16:24])))  # sent while down
+
+        server = _start_server(path, log, 0.0)  # the supervisor's restart
+        out = await asyncio.wait_for(pending, 60)
+        assert [int(p) for p in out["probs"].argmax(axis=1)] == [0, 1, 2, 3, 4, 5, 6, 7]
+        out_later = await asyncio.wait_for(later, 30)
+        assert [int(p) for p in out_later["probs"].argmax(axis=1)] == [
+            6, 7, 8, 9, 0, 1, 2, 3]
+        assert client.connected and client.disconnects == 1 and client.resubmits == 1
+        assert query_stats(path)["digits"]["rows"] >= 16  # the restarted server ran both
+    finally:
+        for c in (client, short):
+            if c is not None:
+                await c.close()
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGTERM)
+            assert server.wait(30) == 0, log.read_text(errors="replace")[-3000:]
+
+
+@pytest.mark.slow
+async def test_without_a_server_for_longer_than_the_wait_a_batch_fails_retriably(
+    frames: np.ndarray, tmp_path: Path,
+) -> None:
+    """``wait_s`` bounds the wait from the call's start; 0 fails at once."""
+    path, log = tmp_path / "s.sock", tmp_path / "server.log"
+    server = _start_server(path, log, 0.0)
     client = None
     try:
         await _until("listening", lambda: _listening(path), log)
-        client = await _client(path)
-        pending = asyncio.ensure_future(client.run(_items(frames[:8])))
-        await _until("the batch queued in the server",
-                     lambda: query_stats(path)["digits"]["sub_batches"] == 1, log)
-        assert not pending.done()
-        os.killpg(server.pid, signal.SIGKILL)
-        server.wait()
-        with pytest.raises(ExecutorUnavailableError) as failed:
-            await asyncio.wait_for(pending, 10)
-        assert failed.value.retriable is True and failed.value.reason == "executor_unavailable"
+        client = await _client(path, wait_s=1.0)
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(30)
         await _until("disconnected", lambda: not client.connected, log)  # type: ignore[union-attr]
+        started = time.monotonic()
+        with pytest.raises(ExecutorUnavailableError, match=r"waited 1 s") as failed:
+            await asyncio.wait_for(client.run(_items(frames[:8])), 10)
+        assert 1.0 <= time.monotonic() - started < 5.0
+        assert failed.value.retriable is True and failed.value.reason == "executor_unavailable"
+        client.wait_s = 0.0
         with pytest.raises(ExecutorUnavailableError):  # at once, not after a timeout
-            await asyncio.wait_for(client.run(_items(frames[:8])), 2)
-
-        server = _start_server(path, log, 0.0)  # the supervisor's restart
-        await _until("reconnected", lambda: client.connected, log)  # type: ignore[union-attr]
-        out = await asyncio.wait_for(client.run(_items(frames[:8])), 30)
-        assert [int(p) for p in out["probs"].argmax(axis=1)] == [0, 1, 2, 3, 4, 5, 6, 7]
-        assert client.disconnects == 1
+            await asyncio.wait_for(client.run(_items(frames[:8])), 0.5)
     finally:
         if client is not None:
             await client.close()
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGTERM)
-            assert server.wait(30) == 0, log.read_text(errors="replace")[-3000:]
+            server.wait(30)
