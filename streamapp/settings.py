@@ -489,6 +489,23 @@ class Settings(BaseSettings):
             )
         return self
 
+    @field_validator("broker")
+    @classmethod
+    def _broker_addresses(cls, value: str) -> str:
+        # Each server as host:port with a TCP port: a port past 65535 reached the socket
+        # layer as a traceback (OverflowError) in every command.
+        for part in (p.strip() for p in value.replace(",", ";").split(";")):
+            if not part:
+                continue
+            address = part.split("://", 1)[-1]
+            host, sep, port = address.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+                raise ValueError(
+                    f"{part!r} is not host:port with a port of 1-65535 "
+                    "(e.g. kafka://127.0.0.1:9092)"
+                )
+        return value
+
     @field_validator("backend")
     @classmethod
     def _known_backend(cls, value: str) -> str:

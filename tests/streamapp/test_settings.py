@@ -125,6 +125,10 @@ def test_invalid_environment_value_names_the_field(
         ({"top_k": 0}, "top_k"),
         ({"session_timeout_s": "soon"}, "session_timeout_s"),
         ({"no_such_setting": 1}, "no_such_setting"),
+        ({"broker": "kafka://127.0.0.1:99999"}, "broker"),
+        ({"broker": "kafka://127.0.0.1:0"}, "broker"),
+        ({"broker": "kafka://127.0.0.1"}, "broker"),
+        ({"broker": "kafka://127.0.0.1:9092;kafka://h2:port"}, "broker"),
     ],
 )
 def test_invalid_override_names_the_field(overrides: dict[str, object], field: str) -> None:
