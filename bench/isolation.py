@@ -37,7 +37,7 @@ import msgpack
 import numpy as np
 
 from bench.load import open_loop, percentiles
-from bench.procs import bench_topics, fresh_broker, topic_names
+from bench.procs import bench_topics, fresh_broker, restore_environ, topic_names
 from bench.workloads import result_parse, workload
 from engines.registry import PLUGINS_ENV
 from engines.testing.faults import FAULTS_ENV
@@ -126,11 +126,7 @@ def _workers(broker: Any, n: int, settings: Mapping[str, Any], logs: Path, name:
         _wait_assigned(procs)
         yield procs, topics
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        restore_environ(saved)
         for p in procs:
             p.stop()
 

@@ -110,6 +110,15 @@ def kind_of(broker: Broker) -> BrokerKind:
     return "embedded" if isinstance(broker, EmbeddedBroker) else "kafka"
 
 
+def restore_environ(saved: Mapping[str, str | None]) -> None:
+    """Put back the variables ``saved`` recorded (``{name: value, or None where unset}``)."""
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
 def topic_names(prefix: str) -> dict[str, str]:
     return {k: f"{prefix}inference-{k}" for k in ("request", "result", "dlq", "retry")}
 

@@ -41,7 +41,7 @@ import psutil
 
 from bench import load
 from bench.common import engine_ceiling, produce_backlog, results_count
-from bench.procs import BrokerKind, Sampler, fresh_broker, topic_names
+from bench.procs import BrokerKind, Sampler, fresh_broker, restore_environ, topic_names
 from bench.workloads import Workload, result_parse, workload
 from streamapp.broker import EmbeddedBroker
 from streamapp.children import free_port, popen_child
@@ -373,11 +373,7 @@ def mps_daemon(log: Log) -> Iterator[dict[str, Any]]:
         try:
             subprocess.run([exe], input=b"quit\n", timeout=30, env=os.environ.copy())
         finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+            restore_environ(saved)
             with contextlib.suppress(OSError):
                 tail = (root / "log" / "control.log").read_text()[-400:]
                 log(f"  CUDA MPS stopped; control.log tail: {tail.strip()[-200:]}")
