@@ -705,6 +705,82 @@ def tables_rebuild(
                "workers (they restore their tables from the changelogs)")
 
 
+# -- models (streamapp.models.commands, streamapp.views.models) -------------------------------
+
+models_cli = typer.Typer(name="models", add_completion=False, pretty_exceptions_enable=False,
+                         invoke_without_command=True,
+                         help="List each worker's model versions; hot-swap a version.")
+cli.add_typer(models_cli, name="models")
+
+WorkerUrl = Annotated[Optional[str], typer.Option(
+    "--url", help="A worker's web URL; it reaches the others of its group (default "
+    "http://127.0.0.1:<STREAMAPP_WEB_PORT>).")]
+
+
+def _worker_url(url: str | None) -> str:
+    if url:
+        return url
+    from streamapp.settings import load_settings
+
+    try:
+        return f"http://127.0.0.1:{load_settings().web_port}"
+    except StreamAppError as exc:
+        raise _fail(str(exc)) from None
+
+
+def _ask(url: str, method: str = "GET") -> tuple[int, Any]:
+    from streamapp.models.commands import request_json
+
+    try:
+        return request_json(url, method)
+    except (OSError, ValueError) as exc:
+        raise _fail(f"the worker at {url} did not answer ({exc}); is it running? give its web "
+                    "URL with --url") from None
+
+
+@models_cli.callback()
+def models_list(ctx: typer.Context, url: WorkerUrl = None) -> None:
+    """Every worker's versions of each model: the current one (*), loaded, on disk.
+
+    Exits 1 when a worker does not answer.
+    """
+    if ctx.invoked_subcommand is not None:
+        return
+    from streamapp.models.commands import format_listing
+
+    base = _worker_url(url)
+    status, body = _ask(base.rstrip("/") + "/models")
+    if status != 200 or not isinstance(body, dict):
+        raise _fail(f"{base} answered {status}: {body}")
+    for line in format_listing(body):
+        typer.echo(line)
+    if any(w.get("status") == "unreachable" for w in body.get("workers", [])):
+        raise typer.Exit(1)
+
+
+@models_cli.command("load")
+def models_load(
+    name: Annotated[str, typer.Argument(help="The model, e.g. digits.")],
+    version: Annotated[Optional[str], typer.Option(
+        help="The version (default: the highest in the repository); an older one is the "
+        "rollback.")] = None,
+    keep: Annotated[bool, typer.Option("--keep", help="Keep the previous version loaded for "
+                    "requests that pin it.")] = False,
+    url: WorkerUrl = None,
+) -> None:
+    """Load a version on every worker of the group, warm it up, check it against its declared
+    samples, then switch between two batches. Exits 1 when it is refused (the old version
+    keeps serving) and prints each worker's reason."""
+    from streamapp.models.commands import format_load, load_url
+
+    base = _worker_url(url)
+    status, body = _ask(load_url(base, name, version, keep), "POST")
+    for line in format_load(status, body if isinstance(body, dict) else {}):
+        typer.echo(line, err=status != 200)
+    if status != 200:
+        raise typer.Exit(1)
+
+
 # -- status (streamapp.status) -------------------------------------------------------------------
 
 

@@ -60,6 +60,8 @@ REASONS: dict[str, str] = {
     "empty_key": "the record has no key (null or empty); key requests by device_id",
     "key_mismatch": "the record key is not the request's device_id (UTF-8)",
     "unknown_model": "the model is not loaded by this worker",
+    "unknown_model_version": "the request pins a model_version that is not loaded on the "
+    "worker",
     "bad_dtype": "the tensor's dtype is not one the model accepts",
     "bad_shape": "the tensor's shape is not the one the model expects",
     "non_finite": "the tensor holds NaN or infinity and the model does not allow them",
@@ -103,6 +105,9 @@ _BY_CODE = {code: name for name, code in _DTYPE_CODES.items()}
 #: too large to produce (the original value is kept whole when it fits).
 MAX_ID_CHARS = 256
 
+#: Longest ``model_version`` a request may pin (characters).
+MAX_VERSION_CHARS = 64
+
 _MAX_RANK = 8
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _REQUIRED: tuple[tuple[str, type | tuple[type, ...]], ...] = (
@@ -135,6 +140,8 @@ def encode_request(request: InferenceRequest, codec: CodecName = "json") -> byte
         "ts": request.ts,
         "model": request.model,
     }
+    if request.model_version is not None:
+        body["model_version"] = request.model_version
     binary = codec == "msgpack"
     if request.tensor is not None:
         t = request.tensor
@@ -418,6 +425,17 @@ def _request_from_body(body: dict[str, Any], *, binary: bool, now: float) -> Inf
         )
     tensor = _tensor_from_body(tensor_body, binary=binary) if tensor_body is not None else None
     image = _bytes_field(image_body, "image", binary=binary) if image_body is not None else None
+    version = body.get("model_version")
+    if isinstance(version, int) and not isinstance(version, bool) and version >= 0:
+        version = str(version)
+    if version is not None and (not isinstance(version, str) or not version
+                                or len(version) > MAX_VERSION_CHARS):
+        raise InvalidRequestError(
+            "wrong_type",
+            f"field 'model_version' is {_short(version)}; send the version to pin as a "
+            f"non-empty string of at most {MAX_VERSION_CHARS} characters (e.g. \"2\"), or "
+            "leave it out for the model's current version",
+        )
     _check_ts(ts, now)  # after the structure: a malformed request is reported as such first
     return InferenceRequest(
         request_id=fields["request_id"],
@@ -427,6 +445,7 @@ def _request_from_body(body: dict[str, Any], *, binary: bool, now: float) -> Inf
         model=fields["model"],
         tensor=tensor,
         image=image,
+        model_version=version,
     )
 
 

@@ -15,6 +15,7 @@ __all__ = [
     "InternalError",
     "InvalidRequestError",
     "ModelNotFoundError",
+    "ModelSwapError",
     "PublishError",
     "StreamAppError",
     "TableUnavailableError",
@@ -93,6 +94,23 @@ class InvalidRequestError(StreamAppError, ValueError):
     @property
     def message(self) -> str:
         return str(self.args[0])
+
+
+class ModelSwapError(StreamAppError):
+    """A model version was refused by ``streamapp models load`` (the old one keeps serving).
+
+    Attributes:
+        reason: ``unknown_model``, ``version_not_found``, ``bad_metadata``,
+            ``incompatible_version``, ``load_failed``, ``warmup_failed``, ``check_failed``,
+            ``not_supported`` (shared executor), ``not_prepared``, ``busy``, ``not_ready``,
+            ``worker_unreachable`` (docs/models.md lists them).
+        status: The HTTP status the endpoint answers with (404, 409, 422, 503).
+    """
+
+    def __init__(self, reason: str, message: str, status: int = 422) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.status = status
 
 
 class InternalError(StreamAppError):

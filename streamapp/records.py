@@ -88,6 +88,8 @@ class InferenceRequest:
         model: Model name in the model repository, e.g. ``"digits"``.
         tensor: The input tensor, or None when ``image`` is given.
         image: Encoded image bytes (JPEG/PNG), or None when ``tensor`` is given.
+        model_version: The version the request pins (e.g. ``"2"``), or None for the model's
+            current one. A pinned version must be loaded on the worker (docs/models.md).
     """
 
     request_id: str
@@ -97,6 +99,7 @@ class InferenceRequest:
     model: str
     tensor: TensorPayload | None = None
     image: bytes | None = None
+    model_version: str | None = None
 
 
 @dataclass(slots=True)
@@ -110,6 +113,8 @@ class InferenceResult:
     record's timestamp; the worker's read time where the record has none, the first failure for
     a retry), ``e2e_ms`` runs from that time instead and ``clock_skew_ms`` is ``ts`` minus it
     (positive: the device clock is ahead); else ``clock_skew_ms`` is None (docs/faults.md).
+    ``model_version`` is the model version whose engine answered (the current one when the
+    request's batch started, or the one the request pinned); ``engine`` names its file digest.
     """
 
     request_id: str
@@ -117,6 +122,7 @@ class InferenceResult:
     seq: int
     model: str
     engine: str
+    model_version: str
     outputs: dict[str, Any]
     attempt: int
     queue_ms: float

@@ -159,6 +159,14 @@ def _middle_cut(value: str, width: int) -> str:
     return value[: width - tail - 1] + "…" + value[-tail:]
 
 
+def _model_cell(result: dict[str, Any]) -> str:
+    """``digits v2 onnxruntime-1.20.1:1ec95d21``: model, version (results written before
+    versions existed have none) and engine tag."""
+    version = result.get("model_version")
+    named = f"{result['model']} v{version}" if isinstance(version, str) else result["model"]
+    return f"{named} {result['engine']}"
+
+
 def format_result_line(entry: ResultEntry) -> str:
     """One line of at most 79 characters (an 80-column terminal), aligned with
     :data:`RESULT_HEADER`: device, seq, model and engine tag, top label and score, e2e latency
@@ -182,7 +190,7 @@ def format_result_line(entry: ResultEntry) -> str:
     cells = {
         "device": entry.device,
         "seq": str(r["seq"]),
-        "model": _middle_cut(f"{r['model']} {r['engine']}", _WIDTHS["model"]),
+        "model": _middle_cut(_model_cell(r), _WIDTHS["model"]),
         "label": "-" if top is None else str(top["label"]),
         "score": "-" if top is None else f"{float(top['score']):.3f}",
         "e2e_ms": f"{e2e:.1f}" if e2e < 100_000 else f"{e2e / 1000:.0f}s",

@@ -14,8 +14,6 @@ import socket
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-import numpy as np
-
 from streamapp.agents.observer import PipelineObserver
 from streamapp.agents.pipeline import (
     AckGuard,
@@ -27,6 +25,7 @@ from streamapp.agents.pipeline import (
 from streamapp.delivery import Delivery
 from streamapp.exceptions import InvalidRequestError
 from streamapp.models.loading import load_models
+from streamapp.models.swap import ModelSwapper, close_model, warm_up
 from streamapp.retry import DelayScheduler, RetryRecord, RetryStore
 from streamapp.settings import Settings
 
@@ -84,6 +83,8 @@ class WorkerRuntime:
         self._users = 0
         self._lock = asyncio.Lock()
         self._scheduler: DelayScheduler | None = None
+        #: Hot swap of model versions (``streamapp models load``, ``POST /models/...``).
+        self.swapper = ModelSwapper(settings, lambda: self.pipeline)
 
     async def acquire(
         self, sink: Sink, retry_store: RetryStore, observers: Sequence[PipelineObserver] = ()
@@ -95,8 +96,8 @@ class WorkerRuntime:
                 try:
                     self.models = self._preloaded or load_models(self.settings)
                     self._preloaded = None
-                    for name, model in self.models.items():
-                        await self._warm_up(name, model)
+                    for model in self.models.values():
+                        await warm_up(model)
                 except Exception as exc:
                     # A worker that cannot serve must not hold partitions: stop it.
                     log.critical("cannot load the models, stopping the worker: %s", exc)
@@ -131,9 +132,11 @@ class WorkerRuntime:
             await self._drain(pipeline)
             await self.delivery.stop()  # commits what finished
             await pipeline.stop(drain=False)
-            for model in self.models.values():
-                await model.executor.close()
-                model.executor.engine.close()
+            await self.swapper.close()
+            for versions in pipeline.loaded.values():
+                for model in versions.values():
+                    await close_model(model)
+            self.models = dict(pipeline.models)
 
     def preload(self) -> dict[str, LoadedModel]:
         """Load the models now, before the worker starts (so that a bad model, backend or
@@ -147,13 +150,6 @@ class WorkerRuntime:
         """
         self._preloaded = load_models(self.settings)
         return self._preloaded
-
-    async def _warm_up(self, name: str, model: LoadedModel) -> None:
-        config = model.config
-        item = {config.input_name: np.zeros(config.item_shape, dtype=config.input_dtype)}
-        outputs = await model.executor.run([item])
-        if config.output_name not in outputs:
-            raise RuntimeError(f"warm-up of {name!r} returned no {config.output_name!r} output")
 
     def _backpressured(self) -> bool:
         pipeline = self.pipeline
@@ -219,6 +215,7 @@ class WorkerRuntime:
                     "max_batch_size": m.info.max_batch_size,
                     "model_version": m.config.version,
                 }
-                for name, m in self.models.items()
+                for name, m in (self.pipeline.models if self.pipeline is not None
+                                else self.models).items()
             },
         }

@@ -197,14 +197,24 @@ class AckGuard(Protocol):
 
 @dataclass
 class LoadedModel:
-    """A model ready to serve: its contract and the executor running its engine."""
+    """A model version ready to serve: its contract and the executor running its engine.
+
+    Attributes:
+        active: Batches that started on this version and have not finished (a version that
+            was swapped out is closed once it reaches 0: :mod:`streamapp.models.swap`).
+    """
 
     config: ModelConfig
     executor: Executor
+    active: int = 0
 
     @property
     def info(self) -> EngineInfo:
         return self.executor.engine.info
+
+    @property
+    def version(self) -> str:
+        return self.config.version
 
 
 @dataclass(slots=True)
@@ -278,7 +288,13 @@ class InferencePipeline:
     ) -> None:
         self.settings = settings
         self.ack_guard = ack_guard
+        #: Model name -> its current version: what a batch that starts now runs on.
         self.models = dict(models)
+        #: Model name -> version -> every loaded version (the current one included); a request
+        #: that pins a version runs on it (:meth:`swap` changes both maps between batches).
+        self.loaded: dict[str, dict[str, LoadedModel]] = {
+            name: {model.version: model} for name, model in self.models.items()
+        }
         self.sink = sink
         self.worker = worker
         self.retry_store: RetryStore = retry_store or MemoryRetryStore()
@@ -420,7 +436,7 @@ class InferencePipeline:
                     message.value, max_request_bytes=self.settings.max_request_bytes
                 )
                 check_key(message.key, request)
-                model = work.model = self._model(request.model)
+                model = work.model = self._model(request.model, request.model_version)
                 if request.tensor is None and request.image is not None:
                     # Never decoded on the event loop: the batch awaits the result.
                     work.pending = self.images.submit(model.config, request)
@@ -433,7 +449,9 @@ class InferencePipeline:
                 log.exception("internal error while decoding %s", message)
                 batcher.put_done_nowait(work, InternalError(f"{type(exc).__name__}: {exc}"))
                 continue
-            batcher.put_nowait(work, key=(request.model, self.runs_alone(work)))
+            batcher.put_nowait(
+                work, key=(request.model, self.runs_alone(work), request.model_version)
+            )
 
     def runs_alone(self, work: _Work) -> bool:
         """Whether a decoded request goes to the lane whose requests each run alone: a retry
@@ -496,21 +514,92 @@ class InferencePipeline:
         batch = take_undecodable(message.topic, message.partition, message.offset)
         return None if batch is None else UndecodableBatchError(batch, message.offset)
 
-    def _model(self, name: str) -> LoadedModel:
+    def _model(self, name: str, version: str | None = None) -> LoadedModel:
+        """The version of model ``name`` a request runs on: ``version`` when it pins one,
+        else the current one.
+
+        Raises:
+            InvalidRequestError: ``unknown_model`` or ``unknown_model_version``.
+        """
         try:
-            return self.models[name]
+            current = self.models[name]
         except KeyError:
             raise InvalidRequestError(
                 "unknown_model",
                 f"model {name!r} is not loaded by this worker; loaded: "
                 f"{', '.join(sorted(self.models))}",
             ) from None
+        if version is None or version == current.version:
+            return current
+        pinned = self.loaded.get(name, {}).get(version)
+        if pinned is None:
+            raise InvalidRequestError(
+                "unknown_model_version",
+                f"the request pins version {version!r} of model {name!r}, which this worker "
+                f"has not loaded; loaded: {', '.join(self.loaded.get(name, {}))} (current "
+                f"{current.version}); load it with `streamapp models load {name} --version "
+                f"{version} --keep`, or leave model_version out",
+            )
+        return pinned
+
+    def swap(self, name: str, model: LoadedModel, *, keep: bool = False) -> LoadedModel | None:
+        """Make ``model`` the current version of ``name`` for every batch that starts from now
+        on; batches already started finish on the version they started with.
+
+        Args:
+            name: A model this pipeline serves.
+            model: The version to serve (loaded, warmed up and checked by the caller).
+            keep: Keep the previous version loaded for requests that pin it.
+
+        Returns:
+            The previous version when it is no longer loaded (the caller closes it once its
+            ``active`` count is 0), else None.
+        """
+        previous = self.models.get(name)
+        versions = self.loaded.setdefault(name, {})
+        self.models[name] = model
+        versions[model.version] = model
+        if previous is None or previous is model:
+            return None
+        if previous.version == model.version or not keep:
+            if versions.get(previous.version) is previous:
+                del versions[previous.version]
+            return previous
+        return None
+
+    def unload(self, name: str, version: str) -> LoadedModel:
+        """Stop serving a version that is not current (requests pinning it are dead-lettered
+        as ``unknown_model_version`` from now on).
+
+        Returns:
+            The version, for the caller to close once its ``active`` count is 0.
+
+        Raises:
+            KeyError: The version is not loaded, or is the current one.
+        """
+        current = self.models.get(name)
+        if current is not None and current.version == version:
+            raise KeyError(f"version {version} of model {name!r} is the current one")
+        return self.loaded.get(name, {}).pop(version)
 
     # -- batches --------------------------------------------------------------------------------
 
     async def _run_batch(self, key: Hashable, batch: list[_Work]) -> Sequence[_ItemResult]:
-        assert isinstance(key, tuple)  # (model name, runs alone): see handle_many
-        model, alone = self.models[str(key[0])], bool(key[1])
+        assert isinstance(key, tuple)  # (model name, runs alone, pinned version): handle_many
+        try:
+            # Resolved once, when the batch starts: a swap between batches never splits one.
+            model = self._model(str(key[0]), key[2])
+        except InvalidRequestError as exc:  # its pinned version was unloaded since decoding
+            return [_ItemResult(error=exc) for _ in batch]
+        model.active += 1
+        try:
+            return await self._run_batch_on(model, bool(key[1]), batch)
+        finally:
+            model.active -= 1
+
+    async def _run_batch_on(
+        self, model: LoadedModel, alone: bool, batch: list[_Work]
+    ) -> Sequence[_ItemResult]:
         results: list[_ItemResult | None] = [None] * len(batch)
         runnable: list[int] = []
         seen: set[str] = set()
@@ -533,6 +622,8 @@ class InferencePipeline:
                 runnable.append(i)
         if runnable:
             works = [batch[i] for i in runnable]
+            for work in works:
+                work.model = model  # the version that answers (the result names it)
             outcomes = await (
                 self._infer_each(model, works) if alone else self._infer_isolating(model, works)
             )
@@ -1035,6 +1126,7 @@ class InferencePipeline:
             seq=request.seq,
             model=request.model,
             engine=model.info.tag,
+            model_version=model.version,
             outputs=item.outputs,
             attempt=work.attempt,
             queue_ms=round((batch.started_at - work.source.received_at) * 1000.0, 3),

@@ -18,7 +18,7 @@ from streamapp.agents.pipeline import LoadedModel
 from streamapp.models.repository import ModelConfig, ModelRepository
 from streamapp.settings import Settings
 
-__all__ = ["connect_models", "load_local_models", "load_models"]
+__all__ = ["connect_models", "load_local_models", "load_models", "load_version"]
 
 log = logging.getLogger(__name__)
 
@@ -76,18 +76,25 @@ def load_local_models(settings: Settings) -> dict[str, LoadedModel]:
         As :func:`load_models`.
     """
     repo = ModelRepository(settings.models_dir)
-    loaded = {}
-    for name in settings.models:
-        config = repo.get(name)
+    return {name: load_version(settings, repo.get(name)) for name in settings.models}
 
-        def make(backend: str, config: ModelConfig = config) -> Executor:
-            return _make_executor(backend, str(config.path), settings,
-                                  config.engine_options(backend))
 
-        executor = load_first(settings.backend, make)
-        loaded[name] = LoadedModel(config, executor)
-        log.info("loaded model %s v%s with %s", name, config.version, executor.engine.info.tag)
-    return loaded
+def load_version(settings: Settings, config: ModelConfig) -> LoadedModel:
+    """Load one version of a model with ``settings.backend`` in this process (at start, and
+    for a hot swap: :mod:`streamapp.models.swap`).
+
+    Raises:
+        EngineError: The backend is unknown/unavailable or the file failed to load.
+    """
+
+    def make(backend: str) -> Executor:
+        return _make_executor(backend, str(config.path), settings,
+                              config.engine_options(backend))
+
+    executor = load_first(settings.backend, make)
+    log.info("loaded model %s v%s with %s", config.name, config.version,
+             executor.engine.info.tag)
+    return LoadedModel(config, executor)
 
 
 def connect_models(settings: Settings) -> dict[str, LoadedModel]:

@@ -1,5 +1,11 @@
 """The model repository: a folder per model with ``model.onnx`` and ``metadata.json``.
 
+A model may hold several **versions** side by side, Triton-like: ``NAME/<V>/metadata.json``
+(+ its model file) for each version ``V`` (digits only, e.g. ``NAME/2/``). A flat folder
+(``NAME/metadata.json``) stays valid: it is one version, the one its metadata names (default
+``"1"``). The version a worker serves at start is the one named in ``NAME/current`` (one line,
+written by a successful ``streamapp models load``), else the highest version there is.
+
 The metadata says how a request becomes an engine input (allowed dtypes, item shape, scale and
 offset, whether NaN/Inf are allowed, how an ``image`` is decoded) and how engine outputs become a
 result (labels, top-k). The bundled repository holds the ``digits`` model trained by
@@ -8,7 +14,10 @@ result (labels, top-k). The bundled repository holds the ``digits`` model traine
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,12 +32,16 @@ from streamapp.records import InferenceRequest
 
 __all__ = [
     "BUNDLED_MODELS_DIR",
+    "CURRENT_FILE",
     "DEFAULT_IMAGE_FORMATS",
     "DEFAULT_MAX_IMAGE_PIXELS",
     "ImageConfig",
     "ModelConfig",
     "ModelRepository",
+    "version_key",
 ]
+
+log = logging.getLogger(__name__)
 
 #: The models shipped inside the package.
 BUNDLED_MODELS_DIR = Path(__file__).resolve().parent
@@ -348,19 +361,105 @@ class ModelRepository:
         self.root = Path(root) if root is not None else BUNDLED_MODELS_DIR
 
     def names(self) -> list[str]:
-        """Names of the models found (folders with a ``metadata.json``)."""
-        return sorted(p.parent.name for p in self.root.glob("*/metadata.json"))
+        """Names of the models found (folders with a ``metadata.json`` of their own or in a
+        version folder)."""
+        flat = {p.parent.name for p in self.root.glob("*/metadata.json")}
+        versioned = {p.parent.parent.name for p in self.root.glob("*/*/metadata.json")
+                     if p.parent.name.isdigit()}
+        return sorted(flat | versioned)
 
-    def get(self, name: str) -> ModelConfig:
-        """The config of model ``name``.
+    def versions(self, name: str) -> dict[str, Path]:
+        """Version → folder of every version of model ``name``, lowest first (versions compare
+        as numbers where both are digits, e.g. ``"2" < "10"``).
 
         Raises:
-            ModelNotFoundError: No such model folder; the message lists the models there are.
+            ModelNotFoundError: No such model; the message lists the models there are.
+            ConfigError: The flat folder's metadata cannot be read to learn its version.
         """
         directory = self.root / name
-        if not (directory / "metadata.json").is_file():
+        found: dict[str, Path] = {}
+        if (directory / "metadata.json").is_file():
+            found[_flat_version(directory)] = directory
+        if directory.is_dir():
+            for sub in directory.iterdir():
+                if sub.name.isdigit() and (sub / "metadata.json").is_file():
+                    found[str(int(sub.name))] = sub
+        if not found:
             raise ModelNotFoundError(
                 f"model {name!r} is not in {self.root}; models there: "
                 f"{', '.join(self.names()) or 'none'}"
             )
-        return ModelConfig.from_dir(directory)
+        return dict(sorted(found.items(), key=lambda kv: version_key(kv[0])))
+
+    def default_version(self, name: str) -> str:
+        """The version a worker serves at start: ``NAME/current`` when it names one that
+        exists, else the highest.
+
+        Raises:
+            As :meth:`versions`.
+        """
+        versions = self.versions(name)
+        marker = self.root / name / CURRENT_FILE
+        try:
+            chosen = marker.read_text().strip()
+        except OSError:
+            chosen = ""
+        if chosen in versions:
+            return chosen
+        if chosen:
+            log.warning("%s names version %r, which is not in the repository; serving the "
+                        "highest version %s", marker, chosen, list(versions)[-1])
+        return list(versions)[-1]
+
+    def get(self, name: str, version: str | None = None) -> ModelConfig:
+        """The config of model ``name`` at ``version`` (None: :meth:`default_version`).
+
+        Raises:
+            ModelNotFoundError: No such model, or no such version (the message lists the
+                versions there are).
+            ConfigError: The version's metadata is missing a field or invalid.
+        """
+        versions = self.versions(name)
+        chosen = self.default_version(name) if version is None else str(version)
+        if chosen.isdigit():
+            chosen = str(int(chosen))
+        if chosen not in versions:
+            raise ModelNotFoundError(
+                f"model {name!r} has no version {chosen!r} in {self.root / name}; versions "
+                f"there: {', '.join(versions)}"
+            )
+        config = ModelConfig.from_dir(versions[chosen])
+        if config.version != chosen:  # a version folder's name wins over what its file says
+            config = dataclasses.replace(config, version=chosen)
+        return config
+
+    def set_current(self, name: str, version: str) -> None:
+        """Record ``version`` in ``NAME/current`` (atomically), so that a worker (re)started
+        later serves it. A repository that cannot be written (the bundled one in a read-only
+        install) logs a warning: a restart then serves :meth:`default_version`'s choice."""
+        marker = self.root / name / CURRENT_FILE
+        tmp = marker.with_name(f".{CURRENT_FILE}.{os.getpid()}")
+        try:
+            tmp.write_text(f"{version}\n")
+            os.replace(tmp, marker)
+        except OSError as exc:
+            log.warning("cannot record version %s of model %s in %s (%s); a worker started "
+                        "later serves the repository's default version", version, name,
+                        marker, exc)
+
+
+#: The file in a model's folder that names the version to serve at start.
+CURRENT_FILE = "current"
+
+
+def version_key(version: str) -> tuple[int, int | str]:
+    """Sort key of a version: numbers in numeric order, before any other name."""
+    return (0, int(version)) if version.isdigit() else (1, version)
+
+
+def _flat_version(directory: Path) -> str:
+    try:
+        meta = json.loads((directory / "metadata.json").read_text())
+        return str(meta.get("version", "1")) if isinstance(meta, dict) else "1"
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{directory / 'metadata.json'} is invalid: {exc}") from exc

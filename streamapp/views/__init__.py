@@ -20,6 +20,7 @@ from streamapp.views.errors import ApiError, ApiView, json_http_errors
 from streamapp.views.health import add_health_views
 from streamapp.views.limits import WebLimits
 from streamapp.views.metrics import add_metrics_view
+from streamapp.views.models import add_model_views
 
 if TYPE_CHECKING:
     from streamapp.state import WorkerState
@@ -47,6 +48,27 @@ ENDPOINTS: tuple[tuple[str, str, str, str], ...] = (
      "Prometheus text format (see *Metrics*), rendered at most once per `web_cache_ms`."),
     ("GET", "/cluster", "",
      "This worker's URL and every worker of the group with the partitions it owns."),
+    ("GET", "/models", "",
+     "Every worker's model versions (each worker of the group is asked, as `/cluster` lists "
+     "them): per worker `models` → `current` version, `loaded` (version → engine tag), "
+     "`available` (versions in the repository), `swaps` (the last ones: `version`, `previous`, "
+     "`engine`, `at`, and once the old version is closed `unloaded` and "
+     "`device_memory_returned_bytes`, null on a CPU); an unreachable worker shows "
+     "`status: unreachable`."),
+    ("POST", "/models/{name}/load", "`version` (default the highest in the repository), "
+     "`keep` (`false`, `true`: keep the previous version loaded for requests that pin it)",
+     "Hot swap on every worker of the group (docs/models.md): each worker loads the version, "
+     "runs a warm-up batch and the samples its metadata declares; only when all succeeded does "
+     "each switch, between two batches. 200 `{model, version, status: serving, workers}`. "
+     "Refused (the old version keeps serving everywhere): 404 `version_not_found` / "
+     "`unknown_model`, 409 `incompatible_version` / `busy` / `not_supported` "
+     "(`gpu_executor=shared`), 422 `bad_metadata` / `load_failed` / `warmup_failed` / "
+     "`check_failed`, 503 `not_ready` / `worker_unreachable`; the body's `workers` gives each "
+     "worker's `status`, `reason` and `message`. 502 `commit_incomplete` when a worker did not "
+     "switch after all had prepared."),
+    ("POST", "/models/{name}/unload", "`version` (required)",
+     "Unload on every worker a version kept with `keep=true` (not the current one); its "
+     "device memory is returned once its last batch finished. 404 when not loaded."),
     ("GET", "/devices", "`limit` (1–1000, 100), `sort` (`device_id`, `-total`, `-last_seen`), "
      "`cursor` (the previous page's `next_cursor`) or `offset` (0)",
      "Devices **this** worker owns: `count`, `devices` (id, total, counts, last seq, last "
@@ -96,4 +118,5 @@ def install_views(app: faust.App, state: WorkerState) -> WebLimits:
     add_health_views(app, state)
     add_metrics_view(app, state, cache_s)
     add_device_views(app, state, cache_s)
+    add_model_views(app, state)
     return limits

@@ -20,7 +20,8 @@ from yarl import URL
 from streamapp.tables.faust_tables import FaustDeviceTables
 from streamapp.views.errors import ApiError
 
-__all__ = ["FORWARDED_HEADER", "forward_to_owner", "owner_of"]
+__all__ = ["FORWARDED_HEADER", "call_worker", "forward_to_owner", "group_urls", "owner_of",
+           "same_worker"]
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ async def forward_to_owner(
             f"{device_key.decode('utf-8', 'replace')!r}) yet; the group is forming or "
             "rebalancing, retry in a few seconds",
         )
-    if _ident(owner) == _ident(app.conf.canonical_url):
+    if same_worker(owner, app.conf.canonical_url):
         return None
     target = str(URL(owner).with_path("/")).rstrip("/") + str(request.rel_url)
     try:
@@ -95,3 +96,41 @@ async def forward_to_owner(
             f"the worker that owns partition {partition}, {owner}, did not answer ({exc}); "
             "retry shortly (a dead worker's partitions move within the session timeout)",
         ) from None
+
+
+def same_worker(a: str | URL, b: str | URL) -> bool:
+    """Whether two web URLs name the same worker (host and port)."""
+    return _ident(a) == _ident(b)
+
+
+def group_urls(app: Any, tables: FaustDeviceTables) -> list[str]:
+    """The web URL of every worker of the group this worker knows from the assignment
+    (``app.router.table_metadata``, what ``/cluster`` shows), this worker's own included,
+    sorted."""
+    own = str(app.conf.canonical_url)
+    try:
+        urls = [str(u) for u in app.router.table_metadata(tables.stats.name)]
+    except KeyError:
+        urls = []
+    if not any(same_worker(u, own) for u in urls):
+        urls.append(own)
+    return sorted(set(urls))
+
+
+async def call_worker(
+    app: Any, url: str, method: str, path_qs: str, timeout_s: float
+) -> tuple[int, Any]:
+    """Ask another worker of the group (marked as forwarded, so that it answers for itself).
+
+    Returns:
+        ``(HTTP status, decoded JSON body)``.
+
+    Raises:
+        aiohttp.ClientError / TimeoutError / ValueError: It did not answer, or not with JSON.
+    """
+    target = str(URL(url).with_path("/")).rstrip("/") + path_qs
+    async with app.http_client.request(
+        method, target, headers={FORWARDED_HEADER: str(app.conf.canonical_url)},
+        timeout=aiohttp.ClientTimeout(total=timeout_s),
+    ) as answer:
+        return answer.status, await answer.json(content_type=None)

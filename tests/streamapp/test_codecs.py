@@ -162,6 +162,7 @@ def test_result_round_trips(codec: str) -> None:
         seq=42,
         model="digits",
         engine="onnxruntime-1.20.1:1ec95d21",
+        model_version="1",
         outputs={"top_k": [{"label": "3", "score": 0.987654}, {"label": "8", "score": 0.01}]},
         attempt=0,
         queue_ms=0.125,

@@ -1,0 +1,464 @@
+"""Hot swap of model versions on a running worker (``streamapp models load``).
+
+A swap has two phases, so that a group of workers either all switch or none does:
+
+1. **prepare**: read the version from the repository, check that it takes the same requests as
+   the current one (its request contract: input name, dtype and item shape, request shape and
+   dtypes, pre-processing, value range, image declaration), load its engine off the event loop,
+   run a warm-up batch, then run the samples its metadata declares (``samples``: expected labels
+   or scores within a tolerance). Any failure refuses the version with a reason
+   (:class:`~streamapp.exceptions.ModelSwapError`) and the current version keeps serving.
+2. **commit**: :meth:`InferencePipeline.swap <streamapp.agents.pipeline.InferencePipeline.swap>`
+   makes it current between two batches — a batch resolves its version once, when it starts, so
+   batches in flight finish on the old version and no request fails, is lost or answered twice
+   because of the swap. The old version is closed (its device memory returned) once its last
+   batch has finished; ``keep`` leaves it loaded for requests that pin it. The version is
+   recorded in the model's ``current`` file so that a restarted worker serves it too.
+
+A prepared version that is neither committed nor aborted within :data:`PREPARED_TTL_S` is
+discarded. One swap runs at a time per worker. With ``gpu_executor=shared`` the engines live in
+the executor server, which cannot swap yet: the load is refused (``not_supported``).
+
+Samples (metadata ``samples``): a list of objects, each ``{"tensor": nested list in request
+units (the shape of ``request.shape``), "dtype": request dtype (default the first of
+``request.dtypes`` that is a float, else the first), "label": expected top-1 label and/or
+"scores": expected values of the output row, "tolerance": largest absolute difference of a
+score (default :data:`DEFAULT_TOLERANCE`)}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from engines.exceptions import EngineError
+from streamapp.agents.pipeline import InferencePipeline, LoadedModel
+from streamapp.exceptions import ConfigError, ModelNotFoundError, ModelSwapError, StreamAppError
+from streamapp.models.repository import ModelConfig, ModelRepository
+from streamapp.records import InferenceRequest, TensorPayload
+from streamapp.settings import Settings
+
+__all__ = [
+    "DEFAULT_TOLERANCE",
+    "PREPARED_TTL_S",
+    "ModelSwapper",
+    "check_samples",
+    "contract_difference",
+]
+
+log = logging.getLogger(__name__)
+
+#: Seconds a prepared (loaded and checked) version waits for its commit before it is discarded.
+PREPARED_TTL_S = 120.0
+#: Default largest absolute difference between a sample's expected and computed scores.
+DEFAULT_TOLERANCE = 1e-3
+#: Seconds between two looks at whether a swapped-out version's last batch has finished.
+_IDLE_POLL_S = 0.005
+
+_CONTRACT_FIELDS = ("input_name", "input_dtype", "item_shape", "request_shape", "request_dtypes",
+                    "scale", "offset", "allow_non_finite", "value_range", "image")
+
+
+def contract_difference(current: ModelConfig, candidate: ModelConfig) -> str | None:
+    """What keeps ``candidate`` from answering the requests ``current`` accepts, or None.
+
+    Requests are pre-processed when they are read, before their batch picks its version, so a
+    version must take the same engine input from the same request. Labels and outputs may
+    differ. A new contract is a new model name."""
+    for name in _CONTRACT_FIELDS:
+        old, new = getattr(current, name), getattr(candidate, name)
+        if old != new:
+            return (f"its {name} is {new!r} where version {current.version} has {old!r}; a "
+                    "version must accept the same requests (deploy a different contract as a "
+                    "new model name)")
+    return None
+
+
+def _sample_dtype(config: ModelConfig, sample: dict[str, Any]) -> str:
+    dtype = sample.get("dtype")
+    if dtype is not None:
+        return str(dtype)
+    floats = sorted(d for d in config.request_dtypes if d.startswith("float"))
+    return floats[-1] if floats else sorted(config.request_dtypes)[0]
+
+
+def _sample_items(config: ModelConfig) -> list[tuple[dict[str, Any], np.ndarray]]:
+    """``(sample, engine input item)`` of every declared sample.
+
+    Raises:
+        ModelSwapError: ``bad_metadata``: ``samples`` is not a list of objects with a tensor
+            the model accepts.
+    """
+    samples = config.metadata.get("samples", [])
+    if not isinstance(samples, list):
+        raise ModelSwapError("bad_metadata", f"metadata 'samples' of {config.name} v"
+                             f"{config.version} must be a list, got {type(samples).__name__}")
+    items = []
+    for i, sample in enumerate(samples):
+        try:
+            if not isinstance(sample, dict) or "tensor" not in sample:
+                raise ValueError("each sample must be an object with a 'tensor'")
+            if "label" not in sample and "scores" not in sample:
+                raise ValueError("each sample must give an expected 'label' or 'scores'")
+            array = np.asarray(sample["tensor"], dtype=_sample_dtype(config, sample))
+            payload = TensorPayload(str(array.dtype), tuple(array.shape), array.tobytes())
+            request = InferenceRequest(f"sample-{i}", "sample", i, time.time(), config.name,
+                                       tensor=payload)
+            items.append((sample, config.preprocess(request)))
+        except (StreamAppError, ValueError, TypeError) as exc:
+            raise ModelSwapError(
+                "bad_metadata", f"sample {i} of {config.name} v{config.version} cannot be "
+                f"used: {exc}",
+            ) from None
+    return items
+
+
+async def check_samples(model: LoadedModel) -> int:
+    """Run the samples ``model``'s metadata declares and compare the answers.
+
+    Returns:
+        The number of samples checked (0 when the metadata declares none).
+
+    Raises:
+        ModelSwapError: ``bad_metadata`` (a sample that cannot be used), ``check_failed`` (an
+            answer differs; the message names the sample, what was expected and what came).
+    """
+    config = model.config
+    items = _sample_items(config)
+    if not items:
+        return 0
+    batch = [{config.input_name: item} for _, item in items]
+    outputs: dict[str, np.ndarray] = {}
+    limit = max(1, model.executor.engine.max_batch_size)
+    for start in range(0, len(batch), limit):
+        part = await model.executor.run(batch[start:start + limit])
+        for name, value in part.items():
+            outputs[name] = (np.concatenate([outputs[name], value]) if name in outputs
+                             else np.asarray(value))
+    probs = np.asarray(outputs[config.output_name], dtype=np.float64)
+    for i, (sample, _) in enumerate(items):
+        row = probs[i]
+        if "label" in sample:
+            got = config.labels[int(np.argmax(row))]
+            if got != str(sample["label"]):
+                raise ModelSwapError(
+                    "check_failed", f"sample {i} of {config.name} v{config.version}: expected "
+                    f"label {sample['label']!r}, the engine answered {got!r} (score "
+                    f"{float(row.max()):.4f})",
+                )
+        if "scores" in sample:
+            expected = np.asarray(sample["scores"], dtype=np.float64)
+            tolerance = float(sample.get("tolerance", DEFAULT_TOLERANCE))
+            if expected.shape != row.shape:
+                raise ModelSwapError(
+                    "bad_metadata", f"sample {i} of {config.name} v{config.version} gives "
+                    f"{expected.size} scores; the output has {row.size}",
+                )
+            worst = int(np.argmax(np.abs(row - expected)))
+            if abs(row[worst] - expected[worst]) > tolerance:
+                raise ModelSwapError(
+                    "check_failed", f"sample {i} of {config.name} v{config.version}: score "
+                    f"{worst} is {row[worst]:.6f}, expected {expected[worst]:.6f} within "
+                    f"{tolerance:g}",
+                )
+    return len(items)
+
+
+async def warm_up(model: LoadedModel) -> None:
+    """One batch of zeros through ``model``'s executor (what ``/ready`` waits for at start).
+
+    Raises:
+        EngineError: The engine failed it.
+        RuntimeError: The model's output is missing from the answer.
+    """
+    config = model.config
+    item = {config.input_name: np.zeros(config.item_shape, dtype=config.input_dtype)}
+    outputs = await model.executor.run([item])
+    if config.output_name not in outputs:
+        raise RuntimeError(f"warm-up of {config.name!r} v{config.version} returned no "
+                           f"{config.output_name!r} output")
+
+
+async def close_model(model: LoadedModel) -> None:
+    """Close a version's executor and engine (its device memory is returned)."""
+    await model.executor.close()
+    await asyncio.to_thread(model.executor.engine.close)
+
+
+def _device_free_bytes(model: LoadedModel) -> int | None:
+    """Free memory of the CUDA device ``model`` runs on, or None on a CPU engine."""
+    if not str(model.info.device).startswith("cuda"):
+        return None
+    try:
+        from engines.cuda import mem_get_info
+
+        return mem_get_info()[0]
+    except EngineError:
+        return None
+
+
+@dataclass
+class _Prepared:
+    model: LoadedModel
+    checked: int
+    expires: float
+
+
+class ModelSwapper:
+    """Prepares, commits and aborts model versions on one worker.
+
+    Args:
+        settings: ``models_dir``, ``backend``, ``gpu_executor`` and the executor sizes.
+        pipeline: Returns the running pipeline, or None before the worker started one.
+        loader: Loads one version (default :func:`streamapp.models.loading.load_version`);
+            tests pass their own.
+    """
+
+    def __init__(
+        self, settings: Settings, pipeline: Callable[[], InferencePipeline | None],
+        loader: Callable[[ModelConfig], LoadedModel] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.repository = ModelRepository(settings.models_dir)
+        self._pipeline = pipeline
+        if loader is None:
+            from streamapp.models.loading import load_version
+
+            def loader(config: ModelConfig) -> LoadedModel:
+                return load_version(settings, config)
+
+        self._loader = loader
+        self._prepared: dict[tuple[str, str], _Prepared] = {}
+        self._lock = asyncio.Lock()
+        self._closing: set[asyncio.Task[None]] = set()
+        #: Model name -> the last swaps (newest last, at most 20).
+        self.history: dict[str, list[dict[str, Any]]] = {}
+
+    def _running(self) -> InferencePipeline:
+        pipeline = self._pipeline()
+        if pipeline is None:
+            raise ModelSwapError("not_ready", "the worker has not started serving yet (no "
+                                 "partitions assigned or models still loading); retry when "
+                                 "/ready answers 200", status=503)
+        return pipeline
+
+    async def prepare(self, name: str, version: str | None = None) -> dict[str, Any]:
+        """Load, warm up and check a version; it serves nothing until :meth:`commit`.
+
+        Args:
+            name: A model the worker serves.
+            version: The version (None: the repository's default, the highest).
+
+        Returns:
+            ``{"model", "version", "engine", "samples_checked", "load_ms"}``.
+
+        Raises:
+            ModelSwapError: The version is refused (``reason`` and HTTP ``status`` say why).
+        """
+        if self.settings.gpu_executor == "shared":
+            raise ModelSwapError(
+                "not_supported", "this worker's engines run in the shared executor server "
+                "(gpu_executor=shared), which cannot swap versions yet: add the version's "
+                "folder and restart `streamapp gpu-server`", status=409)
+        if self._lock.locked():
+            raise ModelSwapError("busy", "another version is being loaded on this worker; "
+                                 "retry when it is done", status=409)
+        async with self._lock:
+            self._expire()
+            pipeline = self._running()
+            current = pipeline.models.get(name)
+            if current is None:
+                raise ModelSwapError(
+                    "unknown_model", f"model {name!r} is not served by this worker (serving: "
+                    f"{', '.join(sorted(pipeline.models)) or 'none'})", status=404)
+            try:
+                config = await asyncio.to_thread(self.repository.get, name, version)
+            except ModelNotFoundError as exc:
+                raise ModelSwapError("version_not_found", str(exc), status=404) from None
+            except ConfigError as exc:
+                raise ModelSwapError("bad_metadata", str(exc)) from None
+            problem = contract_difference(current.config, config)
+            if problem is not None:
+                raise ModelSwapError("incompatible_version", f"version {config.version} of "
+                                     f"{name} is refused: {problem}", status=409)
+            started = time.perf_counter()
+            try:
+                model = await asyncio.to_thread(self._loader, config)
+            except Exception as exc:
+                raise ModelSwapError("load_failed", f"version {config.version} of {name} "
+                                     f"failed to load: {type(exc).__name__}: {exc}") from None
+            try:
+                try:
+                    await warm_up(model)
+                except Exception as exc:
+                    raise ModelSwapError(
+                        "warmup_failed", f"version {config.version} of {name} failed its "
+                        f"warm-up batch: {type(exc).__name__}: {exc}") from None
+                try:
+                    checked = await check_samples(model)
+                except ModelSwapError:
+                    raise
+                except Exception as exc:
+                    raise ModelSwapError(
+                        "check_failed", f"version {config.version} of {name} failed on its "
+                        f"samples: {type(exc).__name__}: {exc}") from None
+            except ModelSwapError:
+                await close_model(model)
+                raise
+            load_ms = round((time.perf_counter() - started) * 1000.0, 1)
+            old = self._prepared.pop((name, config.version), None)
+            if old is not None:
+                await close_model(old.model)
+            self._prepared[(name, config.version)] = _Prepared(
+                model, checked, time.monotonic() + PREPARED_TTL_S)
+            if not checked:
+                log.warning("version %s of %s declares no samples: it was warmed up but not "
+                            "checked", config.version, name)
+            log.info("prepared %s v%s (%s) in %.0f ms, %d sample(s) checked", name,
+                     config.version, model.info.tag, load_ms, checked)
+            return {"model": name, "version": config.version, "engine": model.info.tag,
+                    "samples_checked": checked, "load_ms": load_ms}
+
+    async def commit(self, name: str, version: str, *, keep: bool = False) -> dict[str, Any]:
+        """Make a prepared version current between two batches.
+
+        Args:
+            name / version: What :meth:`prepare` returned.
+            keep: Keep the previous version loaded for requests that pin it.
+
+        Returns:
+            ``{"model", "version", "previous", "engine"}``.
+
+        Raises:
+            ModelSwapError: ``not_prepared`` (409): nothing prepared under that name and
+                version (never prepared, aborted or expired).
+        """
+        prepared = self._prepared.pop((name, version), None)
+        if prepared is None:
+            raise ModelSwapError("not_prepared", f"version {version} of {name} is not prepared "
+                                 "on this worker (expired or aborted); load it again",
+                                 status=409)
+        try:
+            pipeline = self._running()
+        except ModelSwapError:
+            await close_model(prepared.model)
+            raise
+        model = prepared.model
+        if pipeline.images.decodes_on_gpu(name):
+            pipeline.images.use_engine(model.config, model.executor.engine)
+        before = pipeline.models.get(name)
+        retired = pipeline.swap(name, model, keep=keep)
+        self.repository.set_current(name, version)
+        previous = before.version if before is not None else None
+        log.info("model %s: version %s is current (was %s, %s)", name, version, previous,
+                 "kept loaded" if retired is None and before is not None else "unloading")
+        entry = {"version": version, "previous": previous, "engine": model.info.tag,
+                 "at": time.time()}
+        self.history.setdefault(name, []).append(entry)
+        del self.history[name][:-20]
+        if retired is not None:
+            self._retire(retired, entry)
+        return {"model": name, "version": version, "previous": previous,
+                "engine": model.info.tag}
+
+    async def abort(self, name: str, version: str) -> bool:
+        """Discard a prepared version. Returns whether one was prepared."""
+        prepared = self._prepared.pop((name, version), None)
+        if prepared is None:
+            return False
+        await close_model(prepared.model)
+        return True
+
+    async def unload(self, name: str, version: str) -> None:
+        """Unload a version kept with ``keep`` (not the current one).
+
+        Raises:
+            ModelSwapError: ``version_not_found`` (404) when it is not loaded or is current.
+        """
+        try:
+            model = self._running().unload(name, version)
+        except KeyError as exc:
+            raise ModelSwapError("version_not_found", f"cannot unload {name} v{version}: "
+                                 f"{exc.args[0] if exc.args else 'not loaded'}",
+                                 status=404) from None
+        self._retire(model, {})
+
+    def _retire(self, model: LoadedModel, entry: dict[str, Any]) -> None:
+        task = asyncio.ensure_future(self._close_when_idle(model, entry))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    async def _close_when_idle(self, model: LoadedModel, entry: dict[str, Any]) -> None:
+        """Close a swapped-out version once its last batch finished; log the device memory
+        returned (free memory of its device before and after, on a GPU)."""
+        while model.active > 0:
+            await asyncio.sleep(_IDLE_POLL_S)
+        free_before = _device_free_bytes(model)
+        try:
+            await close_model(model)
+        except Exception:
+            log.exception("closing %s v%s failed", model.config.name, model.version)
+            return
+        free_after = _device_free_bytes(model)
+        returned = (None if free_before is None or free_after is None
+                    else free_after - free_before)
+        entry["unloaded"] = model.version
+        entry["device_memory_returned_bytes"] = returned
+        log.info("unloaded %s v%s (%s); device memory returned: %s", model.config.name,
+                 model.version, model.info.tag,
+                 "n/a (CPU)" if returned is None else f"{returned / 2**20:.1f} MiB")
+
+    async def wait_closed(self) -> None:
+        """Wait until every swapped-out version is closed (tests, shutdown)."""
+        if self._closing:
+            await asyncio.gather(*list(self._closing), return_exceptions=True)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for key in [k for k, p in self._prepared.items() if p.expires <= now]:
+            prepared = self._prepared.pop(key)
+            log.warning("discarding %s v%s: prepared but never committed", *key)
+            self._retire(prepared.model, {})
+
+    async def close(self) -> None:
+        """Discard prepared versions and wait for swapped-out ones to close."""
+        for key in list(self._prepared):
+            await self.abort(*key)
+        await self.wait_closed()
+
+    def describe(self) -> dict[str, Any]:
+        """Per model this worker serves: ``current`` version, ``loaded`` versions (version →
+        engine tag), ``available`` versions in the repository, and the last swaps."""
+        pipeline = self._pipeline()
+        out: dict[str, Any] = {}
+        if pipeline is None:
+            return out
+        for name, current in sorted(pipeline.models.items()):
+            try:
+                available = list(self.repository.versions(name))
+            except StreamAppError:
+                available = []
+            out[name] = {
+                "current": current.version,
+                "loaded": {v: m.info.tag for v, m in pipeline.loaded.get(name, {}).items()},
+                "available": available,
+                "swaps": list(self.history.get(name, [])),
+            }
+        return out
+
+    async def load(self, name: str, version: str | None = None, *,
+                   keep: bool = False) -> dict[str, Any]:
+        """:meth:`prepare` then :meth:`commit` on this worker alone.
+
+        Raises:
+            ModelSwapError: As :meth:`prepare`.
+        """
+        prepared = await self.prepare(name, version)
+        committed = await self.commit(name, prepared["version"], keep=keep)
+        return {**prepared, **committed}
