@@ -247,6 +247,20 @@ def _to_json(value: Any, indent: int = 0) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
+def _sample_indices(
+    test_idx: npt.NDArray[np.int64], labels: npt.NDArray[np.int64],
+    predicted: npt.NDArray[np.int64], classes: int = 3,
+) -> list[int]:
+    """The first held-out image of each of classes ``0..classes-1`` that ``predicted`` gets
+    right: the samples a new version of the model is checked against."""
+    chosen: dict[int, int] = {}
+    for i in test_idx:
+        label = int(labels[i])
+        if label < classes and label not in chosen and predicted[i] == label:
+            chosen[label] = int(i)
+    return [chosen[c] for c in sorted(chosen)]
+
+
 def write_metadata(path: Path, metadata: dict[str, Any]) -> None:
     """Write ``metadata`` as indented JSON (lists such as ``test_indices`` on one line)."""
     text = _to_json(metadata)
@@ -340,6 +354,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         },
         "request": {"shape": [8, 8], "dtypes": ["uint8", "float32"], "value_range": [0.0, 16.0]},
         "preprocessing": {"scale": PIXEL_SCALE, "offset": PIXEL_OFFSET},
+        # What `streamapp models load` checks a version against before it serves (the first
+        # test images of each of three classes that the exported model answers correctly).
+        "samples": [
+            {"tensor": images[i].astype(int).tolist(), "dtype": "uint8", "label": str(labels[i])}
+            for i in _sample_indices(test_idx, labels, predicted)
+        ],
         "onnx_sha256": sha256_of(model_path),
         "training": {
             "dataset": "sklearn.datasets.load_digits",

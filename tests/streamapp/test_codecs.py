@@ -546,6 +546,7 @@ def test_every_decode_reason_is_reachable() -> None:
         "empty_key",
         "key_mismatch",
         "unknown_model",
+        "unknown_model_version",
         "unsupported_input",
         "non_finite",
             "out_of_range",

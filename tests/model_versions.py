@@ -1,0 +1,81 @@
+"""A model repository with four versions of ``digits`` for the hot-swap tests.
+
+* ``1``: the bundled model, declaring three samples it answers correctly;
+* ``2``: the same network with the final layer's bias of class 7 raised by
+  :data:`SHIFT`, so that it answers ``"7"`` for every input (answers differ from version 1);
+* ``3``: a truncated model file (fails to load);
+* ``4``: the bundled model declaring samples whose labels are wrong (fails its check).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+from sklearn.datasets import load_digits
+
+from streamapp.models import BUNDLED_MODELS_DIR
+
+#: Added to the logit of class 7 in version 2 (the logits of digits are within about ±30).
+SHIFT = 1000.0
+#: The label version 2 gives every input.
+V2_LABEL = "7"
+#: Indices of the data set images used as samples (labels 0, 1, 2).
+SAMPLE_INDICES = (0, 1, 2)
+
+
+def _samples(labels: list[str]) -> list[dict[str, Any]]:
+    images = load_digits().images
+    return [{"tensor": images[i].astype(np.float32).tolist(), "label": label}
+            for i, label in zip(SAMPLE_INDICES, labels, strict=True)]
+
+
+def _write(folder: Path, meta: dict[str, Any], model: bytes) -> None:
+    folder.mkdir(parents=True)
+    (folder / "model.onnx").write_bytes(model)
+    (folder / "metadata.json").write_text(json.dumps(meta))
+
+
+def shifted_model(source: Path, label_index: int = int(V2_LABEL), shift: float = SHIFT) -> bytes:
+    """``source`` (the digits ONNX file) with ``shift`` added to the last Gemm's bias of class
+    ``label_index``."""
+    model = onnx.load(str(source))
+    gemms = [n for n in model.graph.node if n.op_type == "Gemm"]
+    bias_name = gemms[-1].input[2]
+    for i, init in enumerate(model.graph.initializer):
+        if init.name == bias_name:
+            bias = numpy_helper.to_array(init).copy()
+            bias[label_index] += shift
+            model.graph.initializer[i].CopyFrom(numpy_helper.from_array(bias, bias_name))
+    return model.SerializeToString()
+
+
+def make_digits_versions(root: Path, versions: tuple[int, ...] = (1, 2, 3, 4)) -> Path:
+    """Write ``root/digits/<V>/`` for each of ``versions``; returns ``root``."""
+    source = BUNDLED_MODELS_DIR / "digits"
+    meta = json.loads((source / "metadata.json").read_text())
+    original = (source / "model.onnx").read_bytes()
+    good = ["0", "1", "2"]
+    builders = {
+        1: lambda: ({**meta, "version": "1", "samples": _samples(good)}, original),
+        2: lambda: ({**meta, "version": "2", "samples": _samples([V2_LABEL] * 3)},
+                    shifted_model(source / "model.onnx")),
+        3: lambda: ({**meta, "version": "3", "samples": _samples(good)},
+                    original[: len(original) // 3]),
+        4: lambda: ({**meta, "version": "4", "samples": _samples(["5", "1", "2"])}, original),
+    }
+    for version in versions:
+        body, model = builders[version]()
+        _write(root / "digits" / str(version), body, model)
+    return root
+
+
+def copy_repository(root: Path) -> Path:
+    """A copy of the bundled repository under ``root`` (flat ``digits`` folder)."""
+    shutil.copytree(BUNDLED_MODELS_DIR / "digits", root / "digits")
+    return root
