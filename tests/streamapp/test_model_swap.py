@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,12 @@ from streamapp.codecs import decode_dead_letter, decode_result
 from streamapp.exceptions import ModelSwapError
 from streamapp.models import ModelRepository
 from streamapp.models.loading import load_version
-from streamapp.models.swap import ModelSwapper, check_samples, contract_difference
+from streamapp.models.swap import (
+    ModelSwapper,
+    check_samples,
+    close_model,
+    contract_difference,
+)
 from streamapp.settings import Settings
 from tests.model_versions import V2_LABEL, make_digits_versions
 from tests.streamapp.agents.test_pipeline import FakeSink, Source, good
@@ -54,6 +58,15 @@ async def _started(settings: Settings, version: str = "1") -> tuple[InferencePip
                                  worker="w")
     await pipeline.start()
     return pipeline, sink
+
+
+async def _stop(pipeline: InferencePipeline, swapper: ModelSwapper | None = None) -> None:
+    """Stop the pipeline and close every version still loaded."""
+    await pipeline.stop()
+    if swapper is not None:
+        await swapper.close()
+    for model in pipeline.loaded["digits"].values():
+        await close_model(model)
 
 
 async def test_swap_mid_traffic_answers_every_request_once(
@@ -99,7 +112,7 @@ async def test_swap_mid_traffic_answers_every_request_once(
         await feeder
         await pipeline.batcher.drain()
         await swapper.wait_closed()
-        await pipeline.stop()
+        await _stop(pipeline, swapper)
 
     assert refusals["3"].reason == "load_failed" and refusals["3"].status == 422
     assert refusals["4"].reason == "check_failed"
@@ -151,7 +164,7 @@ async def test_refused_versions_leave_the_current_one(repo: Path) -> None:
         assert described["current"] == "1" and described["available"] == ["1", "2", "3", "4"]
         assert list(described["loaded"]) == ["1"]
     finally:
-        await pipeline.stop()
+        await _stop(pipeline, swapper)
 
 
 async def test_incompatible_contract_and_shared_executor_are_refused(repo: Path) -> None:
@@ -171,7 +184,7 @@ async def test_incompatible_contract_and_shared_executor_are_refused(repo: Path)
             await ModelSwapper(shared, lambda: pipeline).prepare("digits", "2")
         assert no.value.reason == "not_supported"
     finally:
-        await pipeline.stop()
+        await _stop(pipeline)
 
 
 async def test_keep_serves_pinned_requests_then_unload_returns_it(
@@ -202,7 +215,7 @@ async def test_keep_serves_pinned_requests_then_unload_returns_it(
         await pipeline.handle_many([pinned(3, "1")])
         await pipeline.batcher.drain()
     finally:
-        await pipeline.stop()
+        await _stop(pipeline, swapper)
     results = {r["seq"]: r for r in (decode_result(s.value) for s in sink.sent
                                      if s.topic == settings.result_topic)}
     assert {s: r["model_version"] for s, r in results.items()} == {0: "1", 1: "2", 2: "2"}
@@ -241,10 +254,66 @@ async def test_samples_check_and_contract() -> None:
 async def test_commit_records_current_for_a_restart(repo: Path) -> None:
     settings = _settings(repo)
     pipeline, _ = await _started(settings)
+    swapper = ModelSwapper(settings, lambda: pipeline)
     try:
-        await ModelSwapper(settings, lambda: pipeline).load("digits", "2")
+        await swapper.load("digits", "2")
     finally:
-        await pipeline.stop()
+        await _stop(pipeline, swapper)
     assert (repo / "digits" / "current").read_text().strip() == "2"
     assert ModelRepository(repo).default_version("digits") == "2"
-    time.sleep(0)
+    (repo / "digits" / "current").write_text("7\n")  # gone: the highest serves
+    assert ModelRepository(repo).default_version("digits") == "4"
+
+
+# -- the TensorRT path, on the in-repo stand-ins (never met a real TensorRT) ----------------------
+
+
+@pytest.fixture
+def standins() -> Any:
+    from engines import cuda
+    from engines.tensorrt._api import use_tensorrt
+    from engines.testing import fake_cuda, fake_trt
+
+    fake_cuda.reset()
+    with cuda.use_runtime(fake_cuda), use_tensorrt(fake_trt):
+        yield cuda
+    assert cuda.live_handles() == {}, "the test leaked CUDA objects"
+    fake_cuda.reset()
+
+
+async def test_tensorrt_plans_swap_the_same_way(
+    standins: Any, tmp_path: Path, images: np.ndarray
+) -> None:
+    from engines.tensorrt.builder import build_plan
+
+    repo = make_digits_versions(tmp_path / "models", versions=(1, 2))
+    for version in ("1", "2"):
+        folder = repo / "digits" / version
+        build_plan(folder / "model.onnx", folder / "model.plan", max_batch=8)
+        meta = json.loads((folder / "metadata.json").read_text())
+        (folder / "metadata.json").write_text(json.dumps({**meta, "file": "model.plan"}))
+    settings = _settings(repo, cuda_streams=2)
+    settings = Settings(**{**settings.model_dump(), "backend": "tensorrt"})
+    pipeline, sink = await _started(settings)
+    swapper = ModelSwapper(settings, lambda: pipeline)
+    v1 = pipeline.models["digits"]
+    assert v1.info.backend == "tensorrt"
+    source = Source()
+    try:
+        await pipeline.handle_many([good(source, images[i], "dev-t", i) for i in range(4)])
+        await pipeline.batcher.drain()
+        answer = await swapper.load("digits", "2")
+        assert answer["samples_checked"] == 3 and answer["previous"] == "1"
+        await pipeline.handle_many([good(source, images[i], "dev-t", 4 + i) for i in range(4)])
+        await pipeline.batcher.drain()
+        await swapper.wait_closed()
+        assert v1.executor.engine.closed
+        (swap,) = swapper.describe()["digits"]["swaps"]
+        assert swap["unloaded"] == "1" and swap["device_memory_returned_bytes"] > 0
+    finally:
+        await _stop(pipeline, swapper)
+    results = [decode_result(s.value) for s in sink.sent if s.topic == settings.result_topic]
+    assert [r["model_version"] for r in results] == ["1"] * 4 + ["2"] * 4
+    assert [r["outputs"]["top_k"][0]["label"] for r in results[4:]] == [V2_LABEL] * 4
+    assert [r["outputs"]["top_k"][0]["label"] for r in results[:4]] == ["0", "1", "2", "3"]
+    assert all(r["engine"].startswith("tensorrt-") for r in results)
