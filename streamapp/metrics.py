@@ -105,7 +105,9 @@ METRIC_FAMILIES: tuple[tuple[str, str, str, str], ...] = (
      "1 when `/ready` answers 200 (partitions assigned, engines warmed up, tables recovered, "
      "the broker answers a Kafka request, progress while records wait)."),
     ("streamapp_engine_info", "info", "model, backend, engine, device, precision, "
-     "max_batch_size", "The engine serving each model (value 1)."),
+     "max_batch_size, model_version", "The engine serving each model (value 1); "
+     "`model_version` is its current version, changed by `streamapp models load` "
+     "(docs/models.md)."),
     ("streamapp_table_flushes_total", "counter", "",
      "Times the device tables were written (once per state flush: state_flush_interval_ms, "
      "or sooner after state_flush_max_records finished records)."),
@@ -315,7 +317,8 @@ class _GaugeCollector(Collector):
                                 labels=["model"])
         for model, e in sorted(g.engines.items()):
             info.add_metric([model], {k: str(e.get(k, "")) for k in (
-                "backend", "engine", "device", "precision", "max_batch_size")})
+                "backend", "engine", "device", "precision", "max_batch_size",
+                "model_version")})
         yield info
         yield _gauge("streamapp_state_degraded", "1 while device state is degraded (partition "
                      "counts differ, or rows kept in memory).", value=float(g.state_degraded))

@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -74,8 +73,3 @@ def make_digits_versions(root: Path, versions: tuple[int, ...] = (1, 2, 3, 4)) -
         _write(root / "digits" / str(version), body, model)
     return root
 
-
-def copy_repository(root: Path) -> Path:
-    """A copy of the bundled repository under ``root`` (flat ``digits`` folder)."""
-    shutil.copytree(BUNDLED_MODELS_DIR / "digits", root / "digits")
-    return root
