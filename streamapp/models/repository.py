@@ -38,6 +38,7 @@ __all__ = [
     "ImageConfig",
     "ModelConfig",
     "ModelRepository",
+    "normal_version",
     "version_key",
 ]
 
@@ -383,7 +384,7 @@ class ModelRepository:
         if directory.is_dir():
             for sub in directory.iterdir():
                 if sub.name.isdigit() and (sub / "metadata.json").is_file():
-                    found[str(int(sub.name))] = sub
+                    found[normal_version(sub.name)] = sub
         if not found:
             raise ModelNotFoundError(
                 f"model {name!r} is not in {self.root}; models there: "
@@ -420,9 +421,7 @@ class ModelRepository:
             ConfigError: The version's metadata is missing a field or invalid.
         """
         versions = self.versions(name)
-        chosen = self.default_version(name) if version is None else str(version)
-        if chosen.isdigit():
-            chosen = str(int(chosen))
+        chosen = self.default_version(name) if version is None else normal_version(version)
         if chosen not in versions:
             raise ModelNotFoundError(
                 f"model {name!r} has no version {chosen!r} in {self.root / name}; versions "
@@ -450,6 +449,12 @@ class ModelRepository:
 
 #: The file in a model's folder that names the version to serve at start.
 CURRENT_FILE = "current"
+
+
+def normal_version(version: str) -> str:
+    """A version as the repository names it: digits without leading zeros (``"02"`` is
+    ``"2"``), any other name unchanged."""
+    return str(int(version)) if version.isdigit() else version
 
 
 def version_key(version: str) -> tuple[int, int | str]:

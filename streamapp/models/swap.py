@@ -40,7 +40,8 @@ import numpy as np
 from engines.exceptions import EngineError
 from streamapp.agents.pipeline import InferencePipeline, LoadedModel
 from streamapp.exceptions import ConfigError, ModelNotFoundError, ModelSwapError, StreamAppError
-from streamapp.models.repository import ModelConfig, ModelRepository
+from streamapp.models.decoding import configure_engine_images
+from streamapp.models.repository import ModelConfig, ModelRepository, normal_version
 from streamapp.records import InferenceRequest, TensorPayload
 from streamapp.settings import Settings
 
@@ -294,6 +295,14 @@ class ModelSwapper:
                 raise ModelSwapError("load_failed", f"version {config.version} of {name} "
                                      f"failed to load: {type(exc).__name__}: {exc}") from None
             try:
+                if pipeline.images.decodes_on_gpu(name):
+                    # frames read before the switch reach it still compressed
+                    why_not = configure_engine_images(config, model.executor.engine)
+                    if why_not is not None:
+                        raise ModelSwapError(
+                            "incompatible_version", f"version {config.version} of {name} "
+                            f"cannot decode the JPEG frames version {current.version} decodes "
+                            f"on the GPU: {why_not}", status=409)
                 try:
                     await warm_up(model)
                 except Exception as exc:
@@ -317,6 +326,8 @@ class ModelSwapper:
                 await close_model(old.model)
             self._prepared[(name, config.version)] = _Prepared(
                 model, checked, time.monotonic() + PREPARED_TTL_S)
+            # discarded if its commit never comes (the coordinating worker died)
+            asyncio.get_running_loop().call_later(PREPARED_TTL_S + 1.0, self._expire)
             if not checked:
                 log.warning("version %s of %s declares no samples: it was warmed up but not "
                             "checked", config.version, name)
@@ -339,6 +350,7 @@ class ModelSwapper:
             ModelSwapError: ``not_prepared`` (409): nothing prepared under that name and
                 version (never prepared, aborted or expired).
         """
+        version = normal_version(version)
         prepared = self._prepared.pop((name, version), None)
         if prepared is None:
             raise ModelSwapError("not_prepared", f"version {version} of {name} is not prepared "
@@ -350,8 +362,6 @@ class ModelSwapper:
             await close_model(prepared.model)
             raise
         model = prepared.model
-        if pipeline.images.decodes_on_gpu(name):
-            pipeline.images.use_engine(model.config, model.executor.engine)
         before = pipeline.models.get(name)
         retired = pipeline.swap(name, model, keep=keep)
         self.repository.set_current(name, version)
@@ -369,7 +379,7 @@ class ModelSwapper:
 
     async def abort(self, name: str, version: str) -> bool:
         """Discard a prepared version. Returns whether one was prepared."""
-        prepared = self._prepared.pop((name, version), None)
+        prepared = self._prepared.pop((name, normal_version(version)), None)
         if prepared is None:
             return False
         await close_model(prepared.model)
@@ -381,6 +391,7 @@ class ModelSwapper:
         Raises:
             ModelSwapError: ``version_not_found`` (404) when it is not loaded or is current.
         """
+        version = normal_version(version)
         try:
             model = self._running().unload(name, version)
         except KeyError as exc:

@@ -24,6 +24,7 @@ import faust
 from faust.web import Request, Response
 
 from streamapp.exceptions import ModelSwapError, StreamAppError
+from streamapp.models.repository import normal_version
 from streamapp.views.errors import ApiError, ApiView
 from streamapp.views.params import check_params, choice
 from streamapp.views.routing import FORWARDED_HEADER, call_worker, group_urls, same_worker
@@ -107,7 +108,7 @@ def add_model_views(app: faust.App, state: WorkerState) -> None:
             check_params(query, ("version", "keep", "phase") if forwarded else
                          ("version", "keep"))
             keep = choice(query, "keep", ("false", "true"), default="false") == "true"
-            version = query.get("version") or None
+            version = normal_version(query["version"]) if query.get("version") else None
             if forwarded:
                 return self.json(await self._phase(name, version, keep, query.get("phase")))
             if version is None:
@@ -183,9 +184,9 @@ def add_model_views(app: faust.App, state: WorkerState) -> None:
         async def post(self, request: Request, name: str) -> Response:
             query = request.query
             check_params(query, ("version",))
-            version = query.get("version")
-            if not version:
+            if not query.get("version"):
                 raise ApiError(400, "bad_query", "give the version to unload: ?version=V")
+            version = normal_version(query["version"])
 
             async def local() -> dict[str, Any]:
                 await swapper.unload(name, version)

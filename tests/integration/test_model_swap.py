@@ -1,5 +1,5 @@
 """Hot swap on a running group: two workers serve ``digits`` from one model repository while 16
-devices publish at a steady rate; versions 2, 3 (truncated), 4 (samples fail) and 1 are loaded
+devices publish at a steady rate; versions 2, 3 (truncated), 4 (samples fail), 5 (broken on one worker only) and 1 are loaded
 through ``streamapp models load`` against one worker, which reaches the other.
 
 Scaled for the 2-core CI: 2,400 requests over about 12 s (the issue's 10,000 at this rate would
@@ -9,6 +9,7 @@ take 50 s per broker); ``bench/`` has the long run.
 from __future__ import annotations
 
 import asyncio
+import shutil
 import subprocess
 import sys
 import time
@@ -53,14 +54,20 @@ async def test_versions_swap_under_traffic_without_a_lost_or_failed_request(
 ) -> None:
     settings = worker_settings
     models = make_digits_versions(tmp_path / "models")
-    (models / "digits" / "current").write_text("1\n")  # start on 1, not the highest (4)
+    (models / "digits" / "current").write_text("1\n")  # start on 1, not the highest
+    # w2 reads its own copy, whose version 5 is broken where w1's is good: refused by one
+    # worker, so neither switches
+    other = tmp_path / "models-w2"
+    shutil.copytree(models, other)
+    shutil.copytree(models / "digits" / "2", models / "digits" / "5")
+    shutil.copytree(models / "digits" / "3", other / "digits" / "5")
     bootstrap = kafka_broker.bootstrap_servers
     images, _ = load_digits_frames()
     total = RATE * SECONDS
     requests = digits_requests(images, devices=DEVICES,
                                indices=[i % len(images) for i in range(total)])
     ids = {r.request_id for _, r in requests}
-    w1, w2 = (_worker(settings, tmp_path, n, models) for n in ("w1", "w2"))
+    w1, w2 = _worker(settings, tmp_path, "w1", models), _worker(settings, tmp_path, "w2", other)
     marks: dict[str, tuple[float, float]] = {}  # version -> (command started, returned)
     answers: dict[str, tuple[int, str]] = {}
     try:
@@ -71,12 +78,12 @@ async def test_versions_swap_under_traffic_without_a_lost_or_failed_request(
         publisher = asyncio.create_task(
             publish(bootstrap, settings.request_topic, requests, rate_per_s=RATE))
         await asyncio.sleep(2.5)
-        for version in ("2", "3", "4", "1"):
+        for version in ("2", "3", "4", "5", "1"):
             started = time.time()
             answers[version] = await asyncio.to_thread(
                 _cli, "load", "digits", "--version", version, "--url", w1.web_url)
             marks[version] = (started, time.time())
-            if version == "4":
+            if version == "5":
                 listing = await asyncio.to_thread(_cli, "--url", w2.web_url)
             await asyncio.sleep(1.5)
         await publisher
@@ -92,8 +99,10 @@ async def test_versions_swap_under_traffic_without_a_lost_or_failed_request(
     assert answers["3"][0] == 1 and "load_failed" in answers["3"][1], answers["3"][1]
     assert answers["4"][0] == 1 and "check_failed" in answers["4"][1], answers["4"][1]
     assert "expected label '5'" in answers["4"][1]
+    assert answers["5"][0] == 1 and "refused by 1 of 2 worker(s)" in answers["5"][1]
+    assert "w2: refused load_failed" in answers["5"][1], answers["5"][1]
     assert answers["1"][0] == 0, answers["1"][1]
-    # `streamapp models` through the other worker: both workers, current 2 (3, 4 refused)
+    # `streamapp models` through the other worker: both workers, current 2 (3, 4, 5 refused)
     assert listing[0] == 0, listing[1]
     assert listing[1].count("digits: current 2") == 2, listing[1]
 
@@ -120,6 +129,7 @@ async def test_versions_swap_under_traffic_without_a_lost_or_failed_request(
                 or t > marks["1"][1] + slack]
     assert early_v2 == [], f"{len(early_v2)} version-2 answers outside its time"
     assert (models / "digits" / "current").read_text().strip() == "1"
+    assert (other / "digits" / "current").read_text().strip() == "1"
     unloaded = sum(w.log_path.read_text(errors="replace").count("unloaded digits v")
                    for w in (w1, w2))
     assert unloaded >= 4  # each worker closed 1 (for 2) and 2 (for 1)
