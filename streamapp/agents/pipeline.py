@@ -542,7 +542,7 @@ class InferencePipeline:
             )
         return pinned
 
-    def swap(self, name: str, model: LoadedModel, *, keep: bool = False) -> LoadedModel | None:
+    def swap(self, name: str, model: LoadedModel, *, keep: bool = False) -> list[LoadedModel]:
         """Make ``model`` the current version of ``name`` for every batch that starts from now
         on; batches already started finish on the version they started with.
 
@@ -552,20 +552,23 @@ class InferencePipeline:
             keep: Keep the previous version loaded for requests that pin it.
 
         Returns:
-            The previous version when it is no longer loaded (the caller closes it once its
-            ``active`` count is 0), else None.
+            The versions no longer loaded — the previous one (unless kept), and a kept one that
+            ``model`` reloads — for the caller to close once their ``active`` count is 0.
         """
         previous = self.models.get(name)
         versions = self.loaded.setdefault(name, {})
+        retired = []
+        replaced = versions.get(model.version)
+        if replaced is not None and replaced is not model and replaced is not previous:
+            retired.append(replaced)
         self.models[name] = model
         versions[model.version] = model
-        if previous is None or previous is model:
-            return None
-        if previous.version == model.version or not keep:
+        if previous is not None and previous is not model and (
+                previous.version == model.version or not keep):
             if versions.get(previous.version) is previous:
                 del versions[previous.version]
-            return previous
-        return None
+            retired.append(previous)
+        return retired
 
     def unload(self, name: str, version: str) -> LoadedModel:
         """Stop serving a version that is not current (requests pinning it are dead-lettered

@@ -254,7 +254,8 @@ class ModelSwapper:
 
         Args:
             name: A model the worker serves.
-            version: The version (None: the repository's default, the highest).
+            version: The version (None: the repository's default,
+                :meth:`~streamapp.models.ModelRepository.default_version`).
 
         Returns:
             ``{"model", "version", "engine", "samples_checked", "load_ms"}``.
@@ -262,6 +263,14 @@ class ModelSwapper:
         Raises:
             ModelSwapError: The version is refused (``reason`` and HTTP ``status`` say why).
         """
+        try:
+            return await self._prepare(name, version)
+        except ModelSwapError as exc:
+            log.warning("refused version %s of model %s (%s): %s", version, name, exc.reason,
+                        exc)
+            raise
+
+    async def _prepare(self, name: str, version: str | None) -> dict[str, Any]:
         if self.settings.gpu_executor == "shared":
             raise ModelSwapError(
                 "not_supported", "this worker's engines run in the shared executor server "
@@ -367,13 +376,14 @@ class ModelSwapper:
         self.repository.set_current(name, version)
         previous = before.version if before is not None else None
         log.info("model %s: version %s is current (was %s, %s)", name, version, previous,
-                 "kept loaded" if retired is None and before is not None else "unloading")
+                 "kept loaded" if before is not None and before not in retired
+                 else "unloading")
         entry = {"version": version, "previous": previous, "engine": model.info.tag,
                  "at": time.time()}
         self.history.setdefault(name, []).append(entry)
         del self.history[name][:-20]
-        if retired is not None:
-            self._retire(retired, entry)
+        for old in retired:
+            self._retire(old, entry if old is before else {})
         return {"model": name, "version": version, "previous": previous,
                 "engine": model.info.tag}
 
@@ -382,6 +392,8 @@ class ModelSwapper:
         prepared = self._prepared.pop((name, normal_version(version)), None)
         if prepared is None:
             return False
+        log.info("discarding the prepared version %s of model %s (refused elsewhere in the "
+                 "group)", version, name)
         await close_model(prepared.model)
         return True
 

@@ -317,3 +317,29 @@ async def test_tensorrt_plans_swap_the_same_way(
     assert [r["outputs"]["top_k"][0]["label"] for r in results[4:]] == [V2_LABEL] * 4
     assert [r["outputs"]["top_k"][0]["label"] for r in results[:4]] == ["0", "1", "2", "3"]
     assert all(r["engine"].startswith("tensorrt-") for r in results)
+
+
+async def test_reloading_a_kept_version_closes_the_kept_copy(repo: Path) -> None:
+    settings = _settings(repo)
+    pipeline, _ = await _started(settings)
+    swapper = ModelSwapper(settings, lambda: pipeline)
+    v1 = pipeline.models["digits"]
+    try:
+        await swapper.load("digits", "2", keep=True)  # 1 kept
+        v2 = pipeline.models["digits"]
+        await swapper.load("digits", "1", keep=True)  # a fresh 1 replaces the kept one; 2 kept
+        await swapper.wait_closed()
+        assert v1.executor.engine.closed and not v2.executor.engine.closed
+        assert sorted(pipeline.loaded["digits"]) == ["1", "2"]
+        assert pipeline.models["digits"] is pipeline.loaded["digits"]["1"] is not v1
+        fresh = pipeline.models["digits"]
+        await swapper.load("digits", "1")  # the same version again: reloaded from disk
+        await swapper.unload("digits", "2")
+        await swapper.wait_closed()
+        assert fresh.executor.engine.closed and v2.executor.engine.closed
+        assert list(pipeline.loaded["digits"]) == ["1"]
+        with pytest.raises(ModelSwapError) as current:
+            await swapper.unload("digits", "1")
+        assert current.value.reason == "version_not_found" and "current" in str(current.value)
+    finally:
+        await _stop(pipeline, swapper)
