@@ -1,6 +1,6 @@
-"""Hot swap on a running group: two workers serve ``digits`` from one model repository while 16
-devices publish at a steady rate; versions 2, 3 (truncated), 4 (samples fail), 5 (broken on one worker only) and 1 are loaded
-through ``streamapp models load`` against one worker, which reaches the other.
+"""Hot swap on a running group: two workers serve ``digits`` while 16 devices publish at a
+steady rate; versions 2, 3 (truncated), 4 (samples fail), 5 (broken on one worker only) and 1
+are loaded through ``streamapp models load`` against one worker, which reaches the other.
 
 Scaled for the 2-core CI: 2,400 requests over about 12 s (the issue's 10,000 at this rate would
 take 50 s per broker); ``bench/`` has the long run.
