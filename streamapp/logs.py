@@ -50,8 +50,8 @@ def startup_block(settings: Settings, models: Mapping[str, Any]) -> str:
 
     Args:
         settings: The worker's settings.
-        models: Model name → :class:`streamapp.agents.pipeline.LoadedModel` (its ``info``:
-            engine tag, device, precision, max batch size).
+        models: Model name → :class:`streamapp.agents.pipeline.LoadedModel` (its ``version``
+            and ``info``: engine tag, device, precision, max batch size).
     """
     s = settings
     web = f"http://{advertised_host(s)}:{s.web_port}"
@@ -64,9 +64,11 @@ def startup_block(settings: Settings, models: Mapping[str, Any]) -> str:
     ]
     for n, (name, model) in enumerate(models.items()):
         info = model.info
+        version = getattr(model, "version", None)
+        named = f"{name} v{version}" if version is not None else name
         lines.append(
-            f"  {'models' if n == 0 else '':8} {name} {info.tag} ({info.device}, {info.precision}"
-            f", max batch {info.max_batch_size})"
+            f"  {'models' if n == 0 else '':8} {named} {info.tag} ({info.device}, "
+            f"{info.precision}, max batch {info.max_batch_size})"
         )
     chosen = sorted({m.info.backend for m in models.values()})
     backend = s.backend if chosen == [s.backend] else f"{s.backend} ({', '.join(chosen)})"

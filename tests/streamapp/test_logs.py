@@ -58,7 +58,7 @@ def test_startup_block_says_where_the_worker_is(tmp_path: Path) -> None:
                              data_dir=tmp_path, backend="auto", topic_partitions=12)
     info = EngineInfo(backend="onnxruntime", model_path="m.onnx", model_sha256="1ec95d21" * 8,
                       version="1.32.0", device="cpu", precision="fp32", max_batch_size=64)
-    block = startup_block(settings, {"digits": SimpleNamespace(info=info)})
+    block = startup_block(settings, {"digits": SimpleNamespace(info=info, version="2")})
 
     assert block.splitlines() == [
         "streamapp worker of group 'cams' (12 partitions per topic)",
@@ -66,7 +66,7 @@ def test_startup_block_says_where_the_worker_is(tmp_path: Path) -> None:
         f"  broker   kafka://10.0.0.5:9092 ({settings.broker_kind})",
         "  reads    prod.inference-request, prod.inference-retry",
         "  writes   prod.inference-result, prod.inference-dlq",
-        "  models   digits onnxruntime-1.32.0:1ec95d21 (cpu, fp32, max batch 64)",
+        "  models   digits v2 onnxruntime-1.32.0:1ec95d21 (cpu, fp32, max batch 64)",
         "  backend  auto (onnxruntime)",
         f"  data dir {tmp_path}",
     ]
