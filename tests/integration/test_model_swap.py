@@ -125,9 +125,10 @@ async def test_versions_swap_under_traffic_without_a_lost_or_failed_request(
     v2_window = (marks["2"][1] + slack, marks["1"][0] - slack)
     late_v1 = [t for t in captured["1"] if v2_window[0] < t < v2_window[1]]
     assert late_v1 == [], f"{len(late_v1)} version-1 answers while 2 was current"
-    early_v2 = [t for t in captured["2"] if t < marks["2"][0] - slack
-                or t > marks["1"][1] + slack]
-    assert early_v2 == [], f"{len(early_v2)} version-2 answers outside its time"
+    # (a request sent before a load may be read after it, when the workers lag: answered by
+    # the new version, rightly; one sent after it returned cannot be read before it)
+    late_v2 = [t for t in captured["2"] if t > marks["1"][1] + slack]
+    assert late_v2 == [], f"{len(late_v2)} version-2 answers after 1 was loaded again"
     assert (models / "digits" / "current").read_text().strip() == "1"
     assert (other / "digits" / "current").read_text().strip() == "1"
     unloaded = sum(w.log_path.read_text(errors="replace").count("unloaded digits v")

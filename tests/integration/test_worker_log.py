@@ -25,7 +25,7 @@ def test_the_log_starts_with_where_the_worker_is_and_skips_changelog_chatter(
     assert block[2] == f"  broker   {s.broker} ({s.broker_kind})"
     assert block[3] == f"  reads    {s.request_topic}, {s.retry_topic}"
     assert block[4] == f"  writes   {s.result_topic}, {s.dlq_topic}"
-    assert re.fullmatch(r"  models   digits onnxruntime-[\d.]+:[0-9a-f]{8} \(cpu, fp32, "
+    assert re.fullmatch(r"  models   digits v1 onnxruntime-[\d.]+:[0-9a-f]{8} \(cpu, fp32, "
                         r"max batch \d+\)", block[5]), block[5]
     assert block[6] == "  backend  onnxruntime"
     assert block[7].startswith("  data dir ") and block[7].rstrip().endswith("data")
