@@ -260,6 +260,9 @@ class Bench:
         self.log(f"  aiokafka round trip at {rate:,.0f}/s (one relay client): p50 "
                  f"{_f(res['p50_ms'])} p99 {_f(res['p99_ms'])} ms"
                  + ("" if res["complete"] else f", MISSING {res['missing']}"))
+        if res.get("stages_ms"):
+            self.log("    in the worker (the result's own fields), p50/p99 ms: " + ", ".join(
+                f"{k} {_f(v['p50'])}/{_f(v['p99'])}" for k, v in res["stages_ms"].items()))
         return res
 
     # the product
@@ -362,6 +365,9 @@ class Bench:
                  f"{util.get('cpu_pct', {}).get('worker')} %"
                  + (f", GPU {util['gpu_util_pct']} %" if "gpu_util_pct" in util else "")
                  + ("" if res["complete"] else f", MISSING {res['missing']}"))
+        if res.get("stages_ms"):
+            self.log("    in the worker (the result's own fields), p50/p99 ms: " + ", ".join(
+                f"{k} {_f(v['p50'])}/{_f(v['p99'])}" for k, v in res["stages_ms"].items()))
         return res
 
     # a workload

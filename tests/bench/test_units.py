@@ -39,11 +39,12 @@ def test_profile_attributes_samples_to_the_innermost_known_package(tmp_path: Pat
 
 def test_result_parse_recovers_the_request_ts() -> None:
     value = encode_result({"request_id": "r", "ts": 1_800_000_000.25, "e2e_ms": 250.0,
-                           "batch_size": 7}, "json")
+                           "queue_ms": 12.5, "infer_ms": 3.0, "batch_size": 7}, "json")
 
-    ts, size = result_parse(value)
+    ts, size, stages = result_parse(value)
 
     assert ts == pytest.approx(1_800_000_000.0) and size == 7
+    assert stages == (12.5, 3.0, 250.0)
 
 
 def test_digits_payload_is_a_valid_request() -> None:
