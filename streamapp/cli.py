@@ -279,6 +279,7 @@ def worker(
     from streamapp.logs import startup_block
 
     banner = startup_block(settings, loaded)
+    sys.setswitchinterval(settings.gil_switch_interval_ms / 1000.0)
     make_worker(app, settings.log_level, banner, notices).execute_from_commandline()
 
 
