@@ -148,7 +148,7 @@ def engine_problems(config: ModelConfig, engine: Engine) -> list[str]:
             problems.append(f"input.dtype {config.input_dtype} differs from the model's input "
                             f"{_spec(spec)}")
         if len(spec.shape) != len(config.input_shape) or any(
-                want not in (DYNAMIC, got) for got, want in zip(config.input_shape, spec.shape)):
+                want not in (DYNAMIC, got) for got, want in zip(config.input_shape, spec.shape, strict=True)):
             problems.append(f"input.shape {list(config.input_shape)} does not fit the model's "
                             f"input {_spec(spec)}")
         elif spec.shape[0] != DYNAMIC:
