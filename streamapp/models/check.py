@@ -147,8 +147,9 @@ def engine_problems(config: ModelConfig, engine: Engine) -> list[str]:
         if spec.dtype != config.input_dtype:
             problems.append(f"input.dtype {config.input_dtype} differs from the model's input "
                             f"{_spec(spec)}")
+        pairs = zip(config.input_shape, spec.shape, strict=False)
         if len(spec.shape) != len(config.input_shape) or any(
-                want not in (DYNAMIC, got) for got, want in zip(config.input_shape, spec.shape, strict=True)):
+                want not in (DYNAMIC, got) for got, want in pairs):
             problems.append(f"input.shape {list(config.input_shape)} does not fit the model's "
                             f"input {_spec(spec)}")
         elif spec.shape[0] != DYNAMIC:
