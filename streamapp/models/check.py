@@ -215,7 +215,9 @@ def check_model(directory: Path, *, backend: str = "auto", max_batch_size: int =
     meta_path = directory / "metadata.json"
     if not meta_path.is_file():
         if not directory.is_dir():
-            result.problems.append("no such folder")
+            result.problems.append(
+                "no such folder; a model repository holds one folder per model, named as in "
+                "STREAMAPP_MODELS (docs/models.md; TensorRT plans: docs/deployment.md)")
         else:
             inside = sorted(p.parent.name for p in directory.glob("*/metadata.json"))
             hint = f"; it holds the models {', '.join(inside)}: check a folder of those" \
