@@ -179,15 +179,20 @@ def _run_once(config: ModelConfig, engine: Engine) -> list[str]:
     """Run one batch of two zero items, and a blank image where the model takes images."""
     items = [np.zeros(config.item_shape, dtype=config.input_dtype)] * 2
     if config.image is not None:
+        kind = config.image.formats[0]
         buffer = io.BytesIO()
-        Image.new(config.image.mode, config.image.size).save(buffer,
-                                                              format=config.image.formats[0])
+        try:
+            Image.new(config.image.mode, config.image.size).save(buffer, format=kind)
+        except (KeyError, ValueError, OSError) as exc:
+            return [f"a blank {kind} image cannot be made to try the image pre-processing "
+                    f"({type(exc).__name__}: {exc}); image.formats names Pillow formats, "
+                    "e.g. [\"PNG\", \"JPEG\"]"]
         request = InferenceRequest("check", "check", 0, 0.0, config.name,
                                    image=buffer.getvalue())
         try:
             items[1] = config.preprocess(request)
         except StreamAppError as exc:
-            return [f"a blank {config.image.formats[0]} image cannot be pre-processed: {exc}"]
+            return [f"a blank {kind} image cannot be pre-processed: {exc}"]
     try:
         outputs = engine.infer({config.input_name: np.stack(items)})
     except EngineError as exc:
