@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from engines.base import DYNAMIC, Engine, TensorSpec
+from engines.base import DYNAMIC, Engine, TensorSpec, format_shape
 from engines.exceptions import EngineError
 from engines.registry import load_engine, load_first
 from streamapp.codecs import ALLOWED_DTYPES
@@ -112,13 +112,8 @@ def _field_problems(meta: dict[str, Any]) -> list[str]:
     return problems
 
 
-def _shape(shape: tuple[int, ...]) -> str:
-    dims = [("batch" if i == 0 else "?") if d == DYNAMIC else str(d) for i, d in enumerate(shape)]
-    return "[" + ", ".join(dims) + "]"
-
-
 def _spec(spec: TensorSpec) -> str:
-    return f"{spec.name} {spec.dtype}{_shape(spec.shape)}"
+    return f"{spec.name} {spec.dtype}{format_shape(spec.shape)}"
 
 
 def engine_problems(config: ModelConfig, engine: Engine) -> list[str]:

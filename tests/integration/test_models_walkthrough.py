@@ -26,6 +26,7 @@ import pytest
 from PIL import Image
 from typer.testing import CliRunner
 
+from engines.cli import app as engines_app
 from streamapp.cli import cli
 from streamapp.client import collect_outcomes
 from streamapp.client import publish as publish_requests
@@ -66,8 +67,8 @@ def session_hash(path: Path) -> str:
 
 
 def test_the_page_has_each_step() -> None:
-    assert set(page_blocks()) == {"export", "metadata", "check", "check-wrong-input", "serve",
-                                  "tail", "image", "check-image"}
+    assert set(page_blocks()) == {"export", "inspect", "metadata", "check",
+                                  "check-wrong-input", "serve", "tail", "image", "check-image"}
 
 
 async def test_the_models_page_from_an_onnx_file_to_answers(
@@ -85,6 +86,12 @@ async def test_the_models_page_from_an_onnx_file_to_answers(
     namespace = runpy.run_path(str(script))
     onnx_file = tmp_path / "models" / "digits-logreg" / "model.onnx"
     assert onnx_file.is_file()
+    # engines inspect ends with the IO tensors the page shows (after its "...")
+    first, *shown = blocks["inspect"].rstrip("\n").splitlines()
+    assert first.startswith("$ engines ") and shown[0] == "..."
+    out = runner.invoke(engines_app, shlex.split(first.removeprefix("$ engines ")))
+    assert out.exit_code == 0, out.output
+    assert out.stdout.splitlines()[-len(shown) + 1:] == shown[1:]
 
     # 3. the smallest metadata.json
     folder = onnx_file.parent
