@@ -18,7 +18,13 @@ import numpy as np
 from engines.exceptions import EngineClosedError, InputSpecError
 
 __all__ = [
-    "DYNAMIC", "Engine", "EngineInfo", "StreamContext", "StreamEngine", "TensorSpec", "format_shape",
+    "DYNAMIC",
+    "Engine",
+    "EngineInfo",
+    "StreamContext",
+    "StreamEngine",
+    "TensorSpec",
+    "format_shape",
 ]
 
 #: Marker for a dynamic dimension in :attr:`TensorSpec.shape`.
