@@ -1,5 +1,6 @@
 """The ``streamapp`` command line: ``broker``, ``worker``, ``publish``, ``demo``, ``settings``,
-``status``, ``results tail``, ``dlq tail`` / ``dlq replay`` and ``tables rebuild``."""
+``status``, ``results tail``, ``dlq tail`` / ``dlq replay``, ``tables rebuild`` and
+``models check``."""
 
 from __future__ import annotations
 
@@ -170,6 +171,7 @@ def worker(
     app_id: Annotated[Optional[str], typer.Option(help=_setting("app_id"))] = None,
     backend: Annotated[Optional[str], typer.Option(help=_setting("backend"))] = None,
     models: Annotated[Optional[str], typer.Option(help=_setting("models"))] = None,
+    models_dir: Annotated[Optional[Path], typer.Option(help=_setting("models_dir"))] = None,
     max_batch_size: Annotated[Optional[int], typer.Option(help=_setting("max_batch_size"))]
     = None,
     max_batch_delay_ms: Annotated[Optional[float], typer.Option(
@@ -216,7 +218,7 @@ def worker(
 
     _check_port(web_port, "--web-port", free="a free port")
     flags: dict[str, Any] = dict(
-        broker=broker, app_id=app_id, backend=backend, models=models,
+        broker=broker, app_id=app_id, backend=backend, models=models, models_dir=models_dir,
         max_batch_size=max_batch_size, max_batch_delay_ms=max_batch_delay_ms,
         max_inflight_batches=max_inflight_batches, topic_prefix=topic_prefix,
         topic_partitions=topic_partitions, web_port=web_port, web_bind=web_bind,
@@ -704,6 +706,60 @@ def tables_rebuild(
         typer.echo(f"{table}: {rows} rows, {report.moved[table]} moved to their new partition")
     typer.echo(f"tables of {settings.app_id!r} have {report.partitions} partitions; start the "
                "workers (they restore their tables from the changelogs)")
+
+
+# -- models (streamapp.models.check) ---------------------------------------------------------------
+
+models_cli = _command_group("models", "Check model folders (docs/models.md).")
+
+
+@models_cli.command("check")
+def models_check(
+    paths: Annotated[Optional[list[Path]], typer.Argument(
+        help="Model folders (metadata.json + model file). Default: the worker's models "
+        "(STREAMAPP_MODELS in STREAMAPP_MODELS_DIR).")] = None,
+    backend: Annotated[Optional[str], typer.Option(help=_setting("backend"))] = None,
+    models_dir: Annotated[Optional[Path], typer.Option(help=_setting("models_dir"))] = None,
+    models: Annotated[Optional[str], typer.Option(help=_setting("models"))] = None,
+) -> None:
+    """Check that a worker can serve a model folder, and print which requests it accepts.
+
+    Loads the model file with the backend, compares metadata.json with the engine's IO tensors
+    and runs one batch. Each problem is one line on stderr; exits 1 if there is any.
+    """
+    from streamapp.models.check import check_model, format_check
+    from streamapp.models.repository import ModelRepository
+    from streamapp.settings import load_settings
+
+    try:
+        settings = load_settings(backend=backend, models_dir=models_dir, models=models)
+    except StreamAppError as exc:
+        raise _fail(str(exc)) from None
+    if not paths:
+        root = ModelRepository(settings.models_dir).root
+        paths = [root / name for name in settings.models]
+    # A repository (a folder of model folders) stands for each model in it.
+    paths = [m for p in paths for m in (
+        [p] if (p / "metadata.json").exists() or not p.is_dir()
+        else [p / n for n in ModelRepository(p).names()] or [p])]
+    failed = 0
+    for i, path in enumerate(paths):
+        check = check_model(path, backend=settings.backend,
+                            max_batch_size=settings.max_batch_size)
+        if check.ok:
+            typer.echo(("\n" if i else "") + "\n".join(format_check(check, top_k=settings.top_k)))
+            continue
+        failed += 1
+        for problem in check.problems:
+            typer.secho(f"error: {path}: {problem}", fg=typer.colors.RED, err=True)
+    if failed:
+        raise typer.Exit(1)
+    names = ",".join(p.name for p in paths)
+    where = {p.parent for p in paths}
+    dir_flag = f" --models-dir {next(iter(where))}" if len(where) == 1 and where != {
+        ModelRepository().root} else ""
+    typer.echo(f"ok: streamapp worker{dir_flag} --models {names} serves "
+               f"{'it' if len(paths) == 1 else 'them'}")
 
 
 # -- status (streamapp.status) -------------------------------------------------------------------

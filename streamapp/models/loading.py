@@ -15,6 +15,8 @@ from engines.base import StreamEngine
 from engines.executor import Executor, ThreadExecutor
 from engines.registry import load_engine, load_first
 from streamapp.agents.pipeline import LoadedModel
+from streamapp.exceptions import ConfigError
+from streamapp.models.check import engine_problems
 from streamapp.models.repository import ModelConfig, ModelRepository
 from streamapp.settings import Settings
 
@@ -62,6 +64,7 @@ def load_models(settings: Settings) -> dict[str, LoadedModel]:
 
     Raises:
         ModelNotFoundError: A model is not in the repository.
+        ConfigError: A model's engine does not fit its ``metadata.json`` (in-process only).
         EngineError: A backend is unknown/unavailable or a model failed to load (with ``auto``:
             no candidate loaded it; the message lists each one's error).
     """
@@ -72,10 +75,15 @@ def load_models(settings: Settings) -> dict[str, LoadedModel]:
 
 def load_local_models(settings: Settings) -> dict[str, LoadedModel]:
     """Load every model in ``settings.models`` with ``settings.backend`` in this process
-    (what a worker with ``gpu_executor=inprocess`` and the executor server do).
+    (what a worker with ``gpu_executor=inprocess`` and the executor server do), and check
+    that each engine takes what its metadata promises
+    (:func:`~streamapp.models.check.engine_problems`).
 
     Raises:
-        As :func:`load_models`.
+        ConfigError: A model's engine does not fit its ``metadata.json`` (input name, dtype or
+            shape, a fixed batch dimension, output not one score per label); the message lists
+            each problem.
+        As :func:`load_models` otherwise.
     """
     repo = ModelRepository(settings.models_dir)
     loaded = {}
@@ -87,6 +95,14 @@ def load_local_models(settings: Settings) -> dict[str, LoadedModel]:
                                   config.engine_options(backend))
 
         executor = load_first(settings.backend, make)
+        problems = engine_problems(config, executor.engine)
+        if problems:
+            executor.engine.close()
+            raise ConfigError(
+                f"model {name!r} ({config.path}) does not fit its metadata.json: "
+                f"{'; '.join(problems)} (streamapp models check {config.path.parent} lists "
+                "every problem; docs/models.md)"
+            )
         loaded[name] = LoadedModel(config, executor)
         log.info("loaded model %s v%s with %s", name, config.version, executor.engine.info.tag)
     return loaded
