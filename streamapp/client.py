@@ -44,7 +44,9 @@ __all__ = [
     "Reply",
     "SentRequest",
     "collect_outcomes",
+    "check_request_size",
     "digits_requests",
+    "frame_requests",
     "load_digits_frames",
     "publish",
     "publish_values",
@@ -106,27 +108,75 @@ def digits_requests(
     """
     if devices < 1:
         raise ValueError(f"devices must be >= 1, got {devices}")
+    tensors = [TensorPayload(str(image.dtype), image.shape, np.ascontiguousarray(image).tobytes())
+               for image in images]
+    return frame_requests(tensors, device_ids=[f"device-{d:02d}" for d in range(devices)],
+                          model=model, run_id=run_id, indices=indices)
+
+
+def frame_requests(
+    inputs: Sequence[TensorPayload | bytes],
+    *,
+    device_ids: Sequence[str],
+    model: str,
+    run_id: str | None = None,
+    indices: Sequence[int] | None = None,
+) -> list[tuple[int, InferenceRequest]]:
+    """Requests for frame inputs from the given devices, round-robin, with per-device ``seq``.
+
+    Args:
+        inputs: Tensors, or PNG/JPEG bytes (:func:`streamapp.frames.frame_input`).
+        device_ids: The devices, at least one; frame ``n`` goes to ``device_ids[n % len]``.
+        model: Model name put in each request.
+        run_id: Prefix of request ids (``<run_id>-<n>``; default: random).
+        indices: Which inputs to send, in order (default: all, once).
+
+    Returns:
+        ``(input index, request)`` pairs in send order; ``ts`` is filled in when sent.
+    """
+    if not device_ids:
+        raise ValueError("device_ids is empty; give at least one device")
     run_id = run_id or uuid.uuid4().hex[:8]
-    seqs = [0] * devices
+    seqs = dict.fromkeys(device_ids, 0)
     out = []
-    for n, index in enumerate(range(len(images)) if indices is None else indices):
-        d = n % devices
-        image = np.ascontiguousarray(images[index])
-        out.append(
-            (
-                index,
-                InferenceRequest(
-                    request_id=f"{run_id}-{n}",
-                    device_id=f"device-{d:02d}",
-                    seq=seqs[d],
-                    ts=0.0,
-                    model=model,
-                    tensor=TensorPayload(str(image.dtype), image.shape, image.tobytes()),
-                ),
-            )
-        )
-        seqs[d] += 1
+    for n, index in enumerate(range(len(inputs)) if indices is None else indices):
+        device = device_ids[n % len(device_ids)]
+        value = inputs[index]
+        out.append((index, InferenceRequest(
+            request_id=f"{run_id}-{n}", device_id=device, seq=seqs[device], ts=0.0, model=model,
+            tensor=value if isinstance(value, TensorPayload) else None,
+            image=value if isinstance(value, bytes) else None,
+        )))
+        seqs[device] += 1
     return out
+
+
+def check_request_size(request: InferenceRequest, codec: CodecName, limit: int,
+                       what: str = "") -> bytes:
+    """The encoded request value, refused when the worker would refuse it as too large.
+
+    Args:
+        request: The request.
+        codec: ``"json"`` or ``"msgpack"``.
+        limit: The worker's ``max_request_bytes``.
+        what: Where the frame came from, for the message (a file name), or "".
+
+    Returns:
+        The value, ``len(value) <= limit``.
+
+    Raises:
+        FrameError: It is larger than ``limit``.
+    """
+    value = encode_request(request, codec)
+    if len(value) > limit:
+        source = f" ({what})" if what else ""
+        raise FrameError(
+            f"the request for device {request.device_id!r}{source} is {len(value):,} bytes as "
+            f"{codec}, more than max_request_bytes={limit:,} that the worker accepts "
+            "(STREAMAPP_MAX_REQUEST_BYTES): send a smaller frame (a resized or JPEG image)"
+            + (", or msgpack instead of json (no base64)" if codec == "json" else "")
+        )
+    return value
 
 
 async def _ensure_topic(
@@ -491,15 +541,7 @@ class AsyncClient:
 
     async def _publish(self, request: InferenceRequest,
                        replies: ReplyWaiter | None = None) -> SentRequest:
-        value = encode_request(request, self.codec)
-        limit = self.settings.max_request_bytes
-        if len(value) > limit:
-            raise FrameError(
-                f"the request for device {request.device_id!r} is {len(value):,} bytes "
-                f"({self.codec}), more than max_request_bytes={limit:,} that the worker "
-                "accepts (STREAMAPP_MAX_REQUEST_BYTES): send a smaller frame (a resized or "
-                "JPEG image), or msgpack instead of json (no base64)"
-            )
+        value = check_request_size(request, self.codec, self.settings.max_request_bytes)
         if self._producer is None:
             await self.start()
         producer = self._producer

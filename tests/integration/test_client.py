@@ -178,3 +178,45 @@ async def test_the_readme_block_prints_the_prediction_of_a_jpeg(
     label, score, e2e, unit = out.getvalue().split()
     assert label == image_label(jpeg) and 0 < float(score) <= 1
     assert float(e2e) >= 0 and unit == "ms"
+
+
+async def test_streamapp_publish_sends_a_directory_and_stdin_that_the_worker_answers(
+    kafka_broker: Broker, worker: WorkerProcess, worker_settings: Settings,
+    digits: tuple[np.ndarray, np.ndarray], image_label: Callable[[bytes], str], tmp_path: Path,
+) -> None:
+    from typer.testing import CliRunner
+
+    from streamapp.cli import cli
+    from streamapp.client import collect_outcomes
+
+    images, offline = digits
+    folder = tmp_path / "frames"
+    folder.mkdir()
+    jpeg, png = camera_jpeg(images[3]), camera_jpeg(images[4])
+    (folder / "a.jpg").write_bytes(jpeg)
+    np.save(folder / "b.npy", images[5])
+    Image.open(io.BytesIO(png)).save(folder / "c.PNG")
+    (folder / "notes.txt").write_text("not a frame: left out")
+    stdin_jpeg = camera_jpeg(images[6])
+    s = worker_settings
+    common = ["publish", "--broker", s.broker, "--topic-prefix", s.topic_prefix]
+
+    runner = CliRunner()
+    dir_run = await asyncio.to_thread(
+        runner.invoke, cli, [*common, "--dir", str(folder), "--device", "cam7"])
+    stdin_run = await asyncio.to_thread(
+        runner.invoke, cli, [*common, "--file", "-", "--device", "cam8", "--codec", "msgpack"],
+        input=stdin_jpeg)
+
+    assert dir_run.exit_code == 0, dir_run.output
+    assert f"published 3 frames from device cam7 to {s.request_topic}" in dir_run.stdout
+    assert stdin_run.exit_code == 0, stdin_run.output
+    out = await collect_outcomes(
+        kafka_broker.bootstrap_servers, s.result_topic, s.dlq_topic,
+        done=lambda o: len(o.results) + len(o.dead_letters) >= 4, timeout_s=60)
+    assert out.dead_letters == []
+    answers = {(r["device_id"], r["seq"]): r["outputs"]["top_k"][0]["label"] for r in out.results}
+    assert answers == {
+        ("cam7", 0): image_label(jpeg), ("cam7", 1): str(offline[5]),
+        ("cam7", 2): image_label((folder / "c.PNG").read_bytes()), ("cam8", 0): image_label(stdin_jpeg),
+    }
