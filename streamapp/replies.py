@@ -26,7 +26,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.errors import KafkaError
 
 from streamapp.codecs import decode_dead_letter, decode_result
-from streamapp.exceptions import BrokerError
+from streamapp.exceptions import BrokerError, InternalError
 from streamapp.kafka import describe_error, partitions_of, start_or_close
 from streamapp.records import DeadLetter
 
@@ -224,6 +224,10 @@ class ReplyWaiter:
         except KafkaError as exc:
             self._failure = exc
             self._fail_all(BrokerError(f"reading the answers failed: {describe_error(exc)}"))
+        except Exception as exc:  # a bug here must not leave every caller waiting to time out
+            log.exception("reading the answers failed")
+            self._failure = exc
+            self._fail_all(InternalError(f"reading the answers failed: {exc!r}"))
 
     def _on_result(self, value: bytes | None) -> None:
         try:

@@ -218,5 +218,6 @@ async def test_streamapp_publish_sends_a_directory_and_stdin_that_the_worker_ans
     answers = {(r["device_id"], r["seq"]): r["outputs"]["top_k"][0]["label"] for r in out.results}
     assert answers == {
         ("cam7", 0): image_label(jpeg), ("cam7", 1): str(offline[5]),
-        ("cam7", 2): image_label((folder / "c.PNG").read_bytes()), ("cam8", 0): image_label(stdin_jpeg),
+        ("cam7", 2): image_label((folder / "c.PNG").read_bytes()),
+        ("cam8", 0): image_label(stdin_jpeg),
     }

@@ -13,7 +13,7 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from streamapp.cli import cli
-from streamapp.codecs import decode_request, tensor_to_array
+from streamapp.codecs import decode_request, encode_request, tensor_to_array
 from streamapp.exceptions import FrameError
 from streamapp.frames import frame_input, make_request
 
@@ -118,19 +118,13 @@ def test_a_good_file_gets_as_far_as_the_broker(runner: CliRunner, tmp_path: Path
 def test_an_array_becomes_the_tensor_the_worker_decodes(dtype: str) -> None:
     array = (np.arange(24).reshape(2, 3, 4) % 17).astype(dtype)[:, ::-1]  # not C-contiguous
     request = make_request("cam1", array, model="digits", seq=3, ts=1.8e9)
-    decoded = decode_request(request_value(request), now=1.8e9)
+    decoded = decode_request(encode_request(request), now=1.8e9)
 
     assert decoded.tensor is not None
     got = tensor_to_array(decoded.tensor)
     assert got.dtype == np.dtype(dtype).newbyteorder("=") and got.shape == (2, 3, 4)
     np.testing.assert_array_equal(got, array)
     assert (decoded.device_id, decoded.seq, decoded.ts) == ("cam1", 3, 1.8e9)
-
-
-def request_value(request: object) -> bytes:
-    from streamapp.codecs import encode_request
-
-    return encode_request(request)  # type: ignore[arg-type]
 
 
 def test_images_as_bytes_path_and_pil() -> None:
