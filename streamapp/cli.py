@@ -338,13 +338,15 @@ def publish(
     devices: Annotated[int, typer.Option(min=1, help="Number of devices (device-00, ...); "
                        "frames go to them in turn.")] = 16,
     device: Annotated[Optional[str], typer.Option(
-        "--device", "-d", help="Send every frame from this device_id instead of --devices.")]
+        "--device", "-d", metavar="ID",
+        help="Send every frame from this device_id instead of --devices.")]
     = None,
     file: Annotated[Optional[list[str]], typer.Option(
-        "--file", help="Send this frame (PNG, JPEG or .npy array) instead of the "
+        "--file", metavar="PATH", help="Send this frame (PNG, JPEG or .npy array) instead of the "
         "digits; repeatable; '-' reads one frame from stdin.")] = None,
     directory: Annotated[Optional[Path], typer.Option(
-        "--dir", help="Send every .png, .jpg, .jpeg and .npy file of this directory, by name.")]
+        "--dir", metavar="DIR",
+        help="Send every .png, .jpg, .jpeg and .npy file of this directory, by name.")]
     = None,
     count: Annotated[Optional[int], typer.Option(min=1, help="Frames to send (default: each "
                      "frame once, all 1,797 digits; repeats the frames when larger).")] = None,

@@ -40,8 +40,10 @@ _T = TypeVar("_T")
 __all__ = [
     "AsyncClient",
     "Client",
+    "FrameError",
     "Outcomes",
     "Reply",
+    "ReplyTimeoutError",
     "SentRequest",
     "check_request_size",
     "collect_outcomes",
