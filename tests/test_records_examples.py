@@ -36,7 +36,8 @@ class _Producer:
     made: list[_Producer] = []
 
     def __init__(self, config: dict[str, Any]) -> None:
-        self.config, self.records, self.flushed = config, [], False
+        self.config, self.flushed = config, False
+        self.records: list[tuple[str, bytes, bytes]] = []
         _Producer.made.append(self)
 
     def produce(self, topic: str, key: bytes, value: bytes) -> None:

@@ -10,6 +10,7 @@ import contextlib
 import io
 import re
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +18,13 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 from PIL import Image
+from typer.testing import CliRunner
 
-from streamapp.client import AsyncClient, Client, load_digits_frames
+from streamapp.cli import cli
+from streamapp.client import AsyncClient, Client, collect_outcomes, load_digits_frames
 from streamapp.demo import offline_predictions
-from streamapp.exceptions import ReplyTimeoutError
-from streamapp.kafka import create_topics
+from streamapp.exceptions import BrokerError, ReplyTimeoutError
+from streamapp.kafka import create_topics, with_admin
 from streamapp.models import ModelRepository
 from streamapp.process import WorkerProcess
 from streamapp.records import InferenceRequest
@@ -91,7 +94,7 @@ async def test_concurrent_infers_each_get_their_own_prediction_or_dead_letter(
         replies = await asyncio.gather(*tensors, *pictures, pil, bad_shape, out_of_range,
                                        too_large)
 
-    *tensor_replies, = replies[:24]
+    tensor_replies = replies[:24]
     assert [r.label for r in tensor_replies] == [str(offline[i]) for i in range(24)]
     assert all(r.ok and r.result is not None and r.result["model"] == "digits"
                for r in tensor_replies)
@@ -116,8 +119,6 @@ async def test_the_blocking_client_from_threads_and_a_npy_file(
 
     def blocking() -> list[str | None]:
         with Client(settings=client_settings(worker_settings)) as client:
-            from concurrent.futures import ThreadPoolExecutor
-
             with ThreadPoolExecutor(4) as pool:
                 labels = list(pool.map(
                     lambda i: client.infer(f"cam-{i}", images[i], timeout=60).label,
@@ -184,11 +185,6 @@ async def test_streamapp_publish_sends_a_directory_and_stdin_that_the_worker_ans
     kafka_broker: Broker, worker: WorkerProcess, worker_settings: Settings,
     digits: tuple[np.ndarray, np.ndarray], image_label: Callable[[bytes], str], tmp_path: Path,
 ) -> None:
-    from typer.testing import CliRunner
-
-    from streamapp.cli import cli
-    from streamapp.client import collect_outcomes
-
     images, offline = digits
     folder = tmp_path / "frames"
     folder.mkdir()
@@ -221,3 +217,23 @@ async def test_streamapp_publish_sends_a_directory_and_stdin_that_the_worker_ans
         ("cam7", 2): image_label((folder / "c.PNG").read_bytes()),
         ("cam8", 0): image_label(stdin_jpeg),
     }
+
+
+async def test_before_any_worker_ran_infer_says_to_start_one(
+    kafka_broker: Broker, app_id: str,
+) -> None:
+    prefix = f"{app_id}-none."
+    settings = load_settings(broker=kafka_broker.url, topic_prefix=prefix, topic_partitions=2)
+    async with AsyncClient(settings=settings) as client:
+        sent = await client.send("cam-1", np.zeros((8, 8), np.uint8))  # creates its topic
+        with pytest.raises(BrokerError) as raised:
+            await client.infer("cam-1", np.zeros((8, 8), np.uint8), timeout=5)
+    assert sent.offset == 0
+    assert str(raised.value) == (
+        f"topic '{prefix}inference-result' does not exist: start a worker (streamapp worker), "
+        "which creates it, or check the broker and the topic prefix (STREAMAPP_TOPIC_PREFIX)")
+    async def topics(admin: Any) -> set[str]:
+        return {t for t in await admin.list_topics() if t.startswith(prefix)}
+
+    assert await with_admin(settings, topics) == {
+        f"{prefix}inference-request"}  # nothing auto-created by asking
