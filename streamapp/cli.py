@@ -410,7 +410,7 @@ def publish(
     span = sent[-1].sent_at - sent[0].sent_at if len(sent) > 1 else 0.0
     senders = f"device {device}" if device else f"{min(devices, len(sent))} devices"
     typer.echo(
-        f"published {len(sent)} frames from {senders} to {settings.request_topic} "
+        f"published {len(sent)} frame{'s' * (len(sent) != 1)} from {senders} to {settings.request_topic} "
         f"in {span:.2f} s"
     )
 

@@ -101,8 +101,9 @@ def test_a_frame_larger_than_max_request_bytes(runner: CliRunner, tmp_path: Path
     (line,) = result.output.splitlines()
     assert line.startswith(f"error: the request for device 'cam1' ({big}) is 21,")
     assert line.endswith("bytes as json, more than max_request_bytes=16,384 that the worker "
-                         "accepts (STREAMAPP_MAX_REQUEST_BYTES): send a smaller frame (a resized "
-                         "or JPEG image), or msgpack instead of json (no base64)")
+                         "accepts (STREAMAPP_MAX_REQUEST_BYTES): send a smaller frame (resize the "
+                         "image, or compress it as a JPEG), or msgpack instead of json (no "
+                         "base64)")
 
 
 def test_a_good_file_gets_as_far_as_the_broker(runner: CliRunner, tmp_path: Path) -> None:
