@@ -409,10 +409,8 @@ def publish(
         raise _fail(_error_line(exc, settings.bootstrap_servers)) from None
     span = sent[-1].sent_at - sent[0].sent_at if len(sent) > 1 else 0.0
     senders = f"device {device}" if device else f"{min(devices, len(sent))} devices"
-    typer.echo(
-        f"published {len(sent)} frame{'s' * (len(sent) != 1)} from {senders} to {settings.request_topic} "
-        f"in {span:.2f} s"
-    )
+    frames = f"{len(sent)} frame{'s' * (len(sent) != 1)}"
+    typer.echo(f"published {frames} from {senders} to {settings.request_topic} in {span:.2f} s")
 
 
 @cli.command()
