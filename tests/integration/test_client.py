@@ -110,7 +110,7 @@ async def test_concurrent_infers_each_get_their_own_prediction_or_dead_letter(
     assert len({r.request_id for r in replies}) == len(replies)
 
 
-async def test_the_blocking_client_from_threads_and_a_npy_file(
+async def test_the_blocking_client_from_threads_with_msgpack_and_a_npy_file(
     worker: WorkerProcess, worker_settings: Settings, digits: tuple[np.ndarray, np.ndarray],
     tmp_path: Path,
 ) -> None:
@@ -118,7 +118,7 @@ async def test_the_blocking_client_from_threads_and_a_npy_file(
     np.save(tmp_path / "frame.npy", images[40].astype(np.float32))
 
     def blocking() -> list[str | None]:
-        with Client(settings=client_settings(worker_settings)) as client:
+        with Client(settings=client_settings(worker_settings), codec="msgpack") as client:
             with ThreadPoolExecutor(4) as pool:
                 labels = list(pool.map(
                     lambda i: client.infer(f"cam-{i}", images[i], timeout=60).label,
