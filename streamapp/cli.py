@@ -313,40 +313,91 @@ def gpu_server(
     raise typer.Exit(code)
 
 
+def _own_frames(files: list[str], directory: Path | None) -> tuple[list[str], list[Any]]:
+    """``(names, inputs)`` of the frames of ``--file`` (``-``: stdin) and ``--dir``, all read
+    before anything is sent.
+
+    Raises:
+        FrameError: A file is not a frame (which one, and why).
+    """
+    from streamapp.frames import frame_files, iter_frames, read_stdin
+
+    paths = [Path(f) for f in files if f != "-"]
+    if directory is not None:
+        paths += frame_files(directory)
+    names, inputs = [], []
+    for path, value in iter_frames(paths):
+        names.append(str(path))
+        inputs.append(value)
+    if "-" in files:
+        names.append("stdin")
+        inputs.append(read_stdin())
+    return names, inputs
+
+
 @cli.command()
 def publish(
     broker: Broker = None,
-    devices: Annotated[int, typer.Option(min=1, help="Number of devices.")] = 16,
-    count: Annotated[Optional[int], typer.Option(min=1, help="Frames to send (default: all "
-                     "1,797; repeats the images when larger).")] = None,
+    devices: Annotated[int, typer.Option(min=1, help="Number of devices (device-00, ...); "
+                       "frames go to them in turn.")] = 16,
+    device: Annotated[Optional[str], typer.Option(
+        "--device", "-d", metavar="ID",
+        help="Send every frame from this device_id instead of --devices.")]
+    = None,
+    file: Annotated[Optional[list[str]], typer.Option(
+        "--file", metavar="PATH", help="Send this frame (PNG, JPEG or .npy array) instead of the "
+        "digits; repeatable; '-' reads one frame from stdin.")] = None,
+    directory: Annotated[Optional[Path], typer.Option(
+        "--dir", metavar="DIR",
+        help="Send every .png, .jpg, .jpeg and .npy file of this directory, by name.")]
+    = None,
+    count: Annotated[Optional[int], typer.Option(min=1, help="Frames to send (default: each "
+                     "frame once, all 1,797 digits; repeats the frames when larger).")] = None,
     rate: Annotated[Optional[float], typer.Option(min=0.001, help="Frames per second "
                     "(default: as fast as possible).")] = None,
     codec: Annotated[str, typer.Option(help="json (base64 tensors) or msgpack.")] = "json",
     topic_prefix: Annotated[Optional[str], typer.Option()] = None,
     model: Annotated[str, typer.Option(help="Model name put in each request.")] = "digits",
 ) -> None:
-    """Publish scikit-learn's handwritten digits as frames from N devices (keyed by device).
+    """Publish frames keyed by device: scikit-learn's handwritten digits, or one's own files
+    (--file, --dir, stdin).
 
+    Every file is read and checked before anything is sent: one that is not a PNG, JPEG or
+    .npy array (or is larger than max_request_bytes as a request) is one error line, exit 1.
     Creates the request topic with STREAMAPP_TOPIC_PARTITIONS partitions (default 16) when it
-    does not exist, so that a worker started later finds the count its tables use.
+    does not exist, so that a worker started later finds the count its tables use. See the
+    answers with `streamapp results tail`.
     """
-    from streamapp.client import digits_requests, load_digits_frames
+    from streamapp.client import check_request_size, frame_requests, load_digits_frames
     from streamapp.client import publish as publish_requests
     from streamapp.kafka import kafka_security_options
+    from streamapp.records import TensorPayload
     from streamapp.settings import load_settings
 
     if codec not in ("json", "msgpack"):
         raise _fail(f"--codec must be json or msgpack, got {codec!r}", 2)
+    files = file or []
+    if files.count("-") > 1:
+        raise _fail("--file - (stdin) can be given once", 2)
     try:
         settings = load_settings(broker=broker, topic_prefix=topic_prefix)
         security = kafka_security_options(settings)
+        if files or directory is not None:
+            names, inputs = _own_frames(files, directory)
+        else:
+            images, _ = load_digits_frames()
+            names = [f"digit {i}" for i in range(len(images))]
+            inputs = [TensorPayload(str(i.dtype), i.shape, i.tobytes()) for i in images]
+        n = count or len(inputs)
+        indices = [i % len(inputs) for i in range(n)]
+        device_ids = [device] if device else [f"device-{d:02d}" for d in range(devices)]
+        requests = frame_requests(inputs, device_ids=device_ids, model=model, indices=indices)
+        for index, request in requests[:len(inputs)]:  # the others repeat these
+            check_request_size(request, codec, settings.max_request_bytes,  # type: ignore[arg-type]
+                               names[index])
     except StreamAppError as exc:
         raise _fail(str(exc)) from None
     _quiet_kafka_client()
-    images, _ = load_digits_frames()
-    n = count or len(images)
-    indices = [i % len(images) for i in range(n)]
-    requests = digits_requests(images, devices=devices, model=model, indices=indices)
     try:
         sent = asyncio.run(
             publish_requests(
@@ -360,10 +411,9 @@ def publish(
     except (StreamAppError, KafkaError) as exc:
         raise _fail(_error_line(exc, settings.bootstrap_servers)) from None
     span = sent[-1].sent_at - sent[0].sent_at if len(sent) > 1 else 0.0
-    typer.echo(
-        f"published {len(sent)} frames from {devices} devices to {settings.request_topic} "
-        f"in {span:.2f} s"
-    )
+    senders = f"device {device}" if device else f"{min(devices, len(sent))} devices"
+    frames = f"{len(sent)} frame{'s' * (len(sent) != 1)}"
+    typer.echo(f"published {frames} from {senders} to {settings.request_topic} in {span:.2f} s")
 
 
 @cli.command()

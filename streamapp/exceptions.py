@@ -12,10 +12,12 @@ from typing import Any
 __all__ = [
     "BrokerError",
     "ConfigError",
+    "FrameError",
     "InternalError",
     "InvalidRequestError",
     "ModelNotFoundError",
     "PublishError",
+    "ReplyTimeoutError",
     "StreamAppError",
     "TableUnavailableError",
 ]
@@ -60,6 +62,31 @@ class PublishError(BrokerError):
     def __init__(self, message: str, *, sent: int, acknowledged: int, total: int) -> None:
         super().__init__(message)
         self.sent, self.acknowledged, self.total = sent, acknowledged, total
+
+
+class FrameError(StreamAppError, ValueError):
+    """A frame given to the client cannot become a request (an array of a dtype no request may
+    carry, bytes that are neither PNG nor JPEG, a file that cannot be read); nothing was sent."""
+
+    reason = "bad_frame"
+
+
+class ReplyTimeoutError(StreamAppError, TimeoutError):
+    """No result and no dead letter of a published request arrived in time
+    (:meth:`streamapp.client.AsyncClient.infer`). The request was sent and acknowledged, and it
+    may still be answered: retrying sends it again (a new request id).
+
+    Attributes:
+        request_id: The request that was not answered.
+        timeout_s: How long was waited (seconds).
+    """
+
+    retriable = True
+    reason = "reply_timeout"
+
+    def __init__(self, message: str, *, request_id: str, timeout_s: float) -> None:
+        super().__init__(message)
+        self.request_id, self.timeout_s = request_id, timeout_s
 
 
 class ConfigError(StreamAppError, ValueError):
