@@ -34,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--budget-s", type=float, default=None,
                      help="skip what no longer fits in this many seconds (hard time limits)")
     run.add_argument("--no-scaleout", action="store_true", help="skip the scale-out section")
+    run.add_argument("--profile-open-loop", action="store_true",
+                     help="py-spy on the worker during the open loop at the p99 level (70 %%)")
     run.add_argument("--broker", choices=("embedded", "kafka", "both"), default=None,
                      help="measure on the embedded broker, on Apache Kafka (its section only: "
                      "ceilings, perf-tool anchor, product) or both (the default; the Kafka "
@@ -59,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     scale.add_argument("--gpu-executor", choices=("inprocess", "shared"), default="inprocess",
                        help="shared: one executor server per GPU merges the workers' batches "
                        "(implies --launcher processes; docs/scaleout.md)")
+    scale.add_argument("--profile-procs", default="",
+                       help="comma-separated processes to py-spy under closed-loop load after "
+                       "each drain: w0, w1, ..., gpu-server0 (issue 17)")
+    scale.add_argument("--profile-s", type=float, default=8.0, help="seconds of that profile")
     scale.add_argument("--dry-run", action="store_true",
                        help="print the steps, their estimates and what the budget skips")
     backlog = sub.add_parser("backlog", help="worker RSS with a backlog waiting in the topic")
@@ -131,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
                           logs=args.logs, budget_s=args.budget_s,
                           start_s=12.0 if profile.name == "gpu" else 7.0,
                           scaleout=not args.no_scaleout, launcher=args.launcher,
-                          brokers=_brokers(args.broker))
+                          brokers=_brokers(args.broker),
+                          profile_open_loop=getattr(args, "profile_open_loop", False))
     report = format_report(results)
     (out / "report.txt").write_text(report + "\n")
     plots = write_plots(results, out)
@@ -209,7 +216,9 @@ def _scaleout(args: argparse.Namespace, log: Callable[[str], None]) -> int:
     started = time.monotonic()
     run_scaleout(SCALE_PROFILES[args.profile], results, args.logs or out / "logs", log=log,
                  launcher=args.launcher, budget_s=args.budget_s, ns=ns, only=only, save=save,
-                 backend=args.backend, broker=args.broker, gpu_executor=args.gpu_executor)
+                 backend=args.backend, broker=args.broker, gpu_executor=args.gpu_executor,
+                 profile_procs=tuple(p for p in args.profile_procs.split(",") if p),
+                 profile_s=args.profile_s)
     results["elapsed_s"] = round(time.monotonic() - started, 1)
     save()
     report = format_report(results)

@@ -11,7 +11,8 @@ Three drivers, each one asyncio coroutine in the benchmark process:
   same topic, in one process: the transport ceiling.
 
 Payloads come from a :data:`PayloadFn` ``(n, ts) -> (key, value)``; outcomes are parsed by a
-:data:`ParseFn` ``value -> (request ts, batch size or None)``.
+:data:`ParseFn` ``value -> (request ts, batch size or None[, stages])``; ``stages``: the
+result's own ``(queue_ms, infer_ms, e2e_ms)`` (issue 17: where a request's latency goes).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ __all__ = ["PROBE_KEY", "Collector", "closed_loop", "open_loop", "percentiles", 
            "transport", "transport_options"]
 
 PayloadFn = Callable[[int, float], tuple[bytes, bytes]]
-ParseFn = Callable[[bytes], tuple[float, "int | None"]]
+ParseFn = Callable[[bytes], tuple[Any, ...]]
 
 #: Key of readiness probes; collectors skip records with this key.
 PROBE_KEY = b"__bench_probe__"
@@ -55,6 +56,7 @@ class Collector:
     Attributes:
         count: Outcome records read (every topic, probes excluded).
         arrivals / req_ts / batch: Per parsed record: epoch arrival time, request ts, batch size.
+        stages: Per parsed record whose parse gave them: ``(queue_ms, infer_ms, e2e_ms)``.
     """
 
     bootstrap: str
@@ -70,6 +72,7 @@ class Collector:
     arrivals: list[float] = field(default_factory=list)
     req_ts: list[float] = field(default_factory=list)
     batch: list[int] = field(default_factory=list)
+    stages: list[tuple[float, float, float]] = field(default_factory=list)
     _consumer: AIOKafkaConsumer | None = None
     _task: asyncio.Task[None] | None = None
     _progress: asyncio.Event = field(default_factory=asyncio.Event)
@@ -116,7 +119,8 @@ class Collector:
                         self.other += 1
                     elif parse is not None and record.value is not None:
                         try:
-                            ts, size = parse(record.value)
+                            parsed = parse(record.value)
+                            ts, size = parsed[0], parsed[1]
                         except Exception:
                             self.parse_errors += 1
                             continue
@@ -126,6 +130,8 @@ class Collector:
                         self.req_ts.append(ts)
                         if size is not None:
                             self.batch.append(size)
+                        if len(parsed) > 2:
+                            self.stages.append(parsed[2])
             if batches:
                 self._progress.set()
 
@@ -323,6 +329,12 @@ async def open_loop(
         out.update(percentiles(lat.tolist()))
         if collector.batch:
             out.update(batch_stats(np.asarray(collector.batch)[sel[: len(collector.batch)]]))
+        if collector.stages and len(collector.stages) == len(collector.req_ts):
+            stages = np.asarray(collector.stages, dtype=np.float64)[sel]
+            out["stages_ms"] = {
+                name: {"p50": float(np.percentile(stages[:, i], 50)),
+                       "p99": float(np.percentile(stages[:, i], 99))}
+                for i, name in enumerate(("queue", "infer", "e2e")) if len(stages)}
         return out
     finally:
         await producer.stop()

@@ -25,7 +25,7 @@ from streamapp.kafka_server import JVM_OPTS_ENV, KafkaBroker
 from streamapp.process import WorkerProcess
 
 __all__ = ["BENCH_KAFKA_JVM_OPTS", "Broker", "BrokerKind", "Forwarder", "Sampler",
-           "bench_topics", "fresh_broker", "kind_of", "profile_pid", "start_worker"]
+           "bench_topics", "fresh_broker", "kind_of", "profile_pid", "profiling", "start_worker"]
 
 #: A broker of either kind (the same interface: bootstrap_servers, url, pid).
 Broker = EmbeddedBroker | KafkaBroker
@@ -334,3 +334,30 @@ def profile_pid(pid: int, duration_s: float, out: Path, rate: int = 100) -> subp
          "-o", str(out)],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )
+
+
+@contextlib.contextmanager
+def profiling(pid: int | None, seconds: float, raw: Path) -> Iterator[dict[str, Any]]:
+    """py-spy on ``pid`` for ``seconds`` while the ``with`` body runs; the yielded dict is
+    filled on exit with :func:`bench.profile.summarize` of ``raw`` (or ``skipped``/``error``).
+    ``pid`` None or ``seconds`` 0: yields an empty dict and profiles nothing."""
+    out: dict[str, Any] = {}
+    if pid is None or seconds <= 0:
+        yield out
+        return
+    if py_spy() is None:
+        out["skipped"] = "py-spy not installed"
+        yield out
+        return
+    from bench.profile import summarize
+
+    spy = profile_pid(pid, seconds, raw)
+    try:
+        yield out
+    finally:
+        _, err = spy.communicate(timeout=seconds + 60)
+        if spy.returncode != 0 or not raw.is_file():
+            out["error"] = err.decode(errors="replace")[-500:]
+        else:
+            out.update(summarize(raw, duration_s=max(1, int(seconds))))
+            out["raw_file"] = raw.name

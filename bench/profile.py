@@ -15,7 +15,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-__all__ = ["GROUPS", "summarize"]
+__all__ = ["GROUPS", "describe", "summarize"]
 
 #: (group, path fragment), first match wins per frame.
 GROUPS: tuple[tuple[str, str], ...] = (
@@ -104,3 +104,16 @@ def summarize(path: Path, rate: int = 100, duration_s: float | None = None) -> d
         "ours_top": {f: pct(c) for f, c in by_ours_func.most_common(12)},
         "main_top_self": {f: pct(c) for f, c in leaves.most_common(15)},
     }
+
+
+def describe(summary: dict[str, Any], groups: int = 6, funcs: int = 4) -> str:
+    """One log line of a :func:`summarize` result (or of its ``skipped``/``error``)."""
+    if "main_busy_pct" not in summary:
+        return summary.get("skipped") or f"py-spy failed: {summary.get('error', '?')}"
+    line = (f"event-loop thread busy {summary['main_busy_pct']:.0f} %; "
+            + ", ".join(f"{k} {v:.0f} %"
+                        for k, v in list(summary["main_by_group"].items())[:groups]))
+    top = list(summary.get("ours_top", {}).items())[:funcs]
+    others = [f"{t} {v:.0f} %" for t, v in summary["threads"].items() if t != "MainThread"][:3]
+    return (line + ("; ours: " + ", ".join(f"{f} {v:.1f} %" for f, v in top) if top else "")
+            + ("; other threads: " + ", ".join(others) if others else ""))

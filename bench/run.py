@@ -30,10 +30,10 @@ from bench.procs import (
     bench_topics,
     fresh_broker,
     kind_of,
-    profile_pid,
-    py_spy,
+    profiling,
     start_worker,
 )
+from bench.profile import describe
 from bench.scaleout import SCALE_PROFILES, Fleet, launch_clients, run_scaleout
 from bench.workloads import Workload, forwarded_parse, result_parse, workload
 from streamapp.kafka import create_topics
@@ -193,6 +193,8 @@ class Bench:
         #: The broker of the measurements below: a fresh embedded one each, or (while
         #: :meth:`kafka_workload` runs) the workload's Apache Kafka.
         self._shared: Broker | None = None
+        #: py-spy on the worker during the open loop at ``plan.p99_level`` (issue 17).
+        self.profile_open_loop = False
 
     @contextlib.contextmanager
     def _broker(self, name: str) -> Iterator[Broker]:
@@ -258,6 +260,9 @@ class Bench:
         self.log(f"  aiokafka round trip at {rate:,.0f}/s (one relay client): p50 "
                  f"{_f(res['p50_ms'])} p99 {_f(res['p99_ms'])} ms"
                  + ("" if res["complete"] else f", MISSING {res['missing']}"))
+        if res.get("stages_ms"):
+            self.log("    in the worker (the result's own fields), p50/p99 ms: " + ", ".join(
+                f"{k} {_f(v['p50'])}/{_f(v['p99'])}" for k, v in res["stages_ms"].items()))
         return res
 
     # the product
@@ -303,40 +308,33 @@ class Bench:
 
     def _profile(self, plan: Plan, wl: Workload, broker: Any, pid: int, topics: dict[str, str],
                  seconds: float, name: str) -> dict[str, Any]:
-        from bench.profile import summarize
-
-        if py_spy() is None:
-            self.log("  profile: skipped (py-spy not installed)")
-            return {"skipped": "py-spy not installed"}
-        raw = self.logs / f"profile-{wl.name}.txt"
-        spy = profile_pid(pid, seconds + 1, raw)
-        res = _run(load.closed_loop(
-            broker.bootstrap_servers, topics["request"], [topics["result"], topics["dlq"]],
-            wl.payload, result_parse, window=plan.window, warmup_s=0.5, duration_s=seconds,
-            producer_options=plan.producer, from_end=True))
-        _, err = spy.communicate(timeout=60)
-        if spy.returncode != 0 or not raw.is_file():
-            msg = err.decode(errors="replace")[-500:]
-            self.log(f"  profile: py-spy failed ({spy.returncode}): {msg}")
-            return {"error": msg}
-        summary = summarize(raw, duration_s=seconds + 1)
+        with profiling(pid, seconds + 1, self.logs / f"profile-{wl.name}.txt") as summary:
+            res = _run(load.closed_loop(
+                broker.bootstrap_servers, topics["request"], [topics["result"], topics["dlq"]],
+                wl.payload, result_parse, window=plan.window, warmup_s=0.5,
+                duration_s=seconds, producer_options=plan.producer, from_end=True))
         summary["results_per_s_while_profiled"] = res["results_per_s"]
-        summary["raw_file"] = raw.name
-        self.log(f"  profile ({seconds:.0f} s, py-spy): event-loop thread busy "
-                 f"{summary['main_busy_pct']:.0f} %; "
-                 + ", ".join(f"{k} {v:.0f} %"
-                             for k, v in list(summary["main_by_group"].items())[:6]))
+        self.log(f"  profile ({seconds:.0f} s, py-spy): {describe(summary)}")
         return summary
 
     def _measure_open_loop(self, plan: Plan, wl: Workload, rate: float, broker: Any,
-                           topics: dict[str, str], pids: dict[str, int]) -> dict[str, Any]:
-        with Sampler(pids) as sampler:
+                           topics: dict[str, str], pids: dict[str, int],
+                           level: float | None = None) -> dict[str, Any]:
+        # --profile-open-loop (issue 17): py-spy on the worker at the p99 level's load.
+        profiled = self.profile_open_loop and level is not None \
+            and abs(level - plan.p99_level) < 1e-6
+        seconds = plan.ol_warmup_s + plan.ol_s if profiled else 0.0
+        raw = self.logs / f"profile-{wl.name}-load{int((level or 0) * 100)}.txt"
+        with Sampler(pids) as sampler, profiling(pids.get("worker"), seconds, raw) as summary:
             res = _run(load.open_loop(
                 broker.bootstrap_servers, topics["request"],
                 [topics["result"], topics["dlq"]], wl.payload, result_parse, rate=rate,
                 warmup_s=plan.ol_warmup_s, duration_s=plan.ol_s, drain_s=plan.drain_s,
                 producer_options=plan.producer))
         res["utilisation"] = sampler.summary(res["t0"], res["t1"])
+        if profiled:
+            res["profile"] = summary
+            self.log(f"  profile at {level:.0%} ({seconds:.0f} s, py-spy): {describe(summary)}")
         return res
 
     def open_loop(self, plan: Plan, wl: Workload, rate: float, level: float) -> dict[str, Any]:
@@ -354,7 +352,8 @@ class Bench:
                     window=plan.window, warmup_s=0.0, duration_s=plan.worker_warmup_s,
                     producer_options=plan.producer))
             res = self._measure_open_loop(plan, wl, rate, broker, topics, {
-                "worker": proc.process.pid, "broker": broker.pid or 0, "bench": os.getpid()})
+                "worker": proc.process.pid, "broker": broker.pid or 0, "bench": os.getpid()},
+                level)
         return self._ol_done(res, level)
 
     def _ol_done(self, res: dict[str, Any], level: float) -> dict[str, Any]:
@@ -366,6 +365,9 @@ class Bench:
                  f"{util.get('cpu_pct', {}).get('worker')} %"
                  + (f", GPU {util['gpu_util_pct']} %" if "gpu_util_pct" in util else "")
                  + ("" if res["complete"] else f", MISSING {res['missing']}"))
+        if res.get("stages_ms"):
+            self.log("    in the worker (the result's own fields), p50/p99 ms: " + ", ".join(
+                f"{k} {_f(v['p50'])}/{_f(v['p99'])}" for k, v in res["stages_ms"].items()))
         return res
 
     # a workload
@@ -386,7 +388,7 @@ class Bench:
                                   ) -> list[dict[str, Any]]:
             peak = out["saturation_rate"]
             return [self._ol_done(self._measure_open_loop(plan, wl, max(1.0, lv * peak), broker,
-                                                          topics, pids), lv)
+                                                          topics, pids, lv), lv)
                     for lv in plan.loads]
 
         sat = self.saturation(plan, wl, label="saturation", profile_s=plan.profile_s,
@@ -476,7 +478,7 @@ class Bench:
                            ) -> list[dict[str, Any]]:
             peak = out["saturation_rate"]
             return [self._ol_done(self._measure_open_loop(plan, wl, max(1.0, lv * peak), broker,
-                                                          topics, pids), lv) for lv in levels]
+                                                          topics, pids, lv), lv) for lv in levels]
 
         sat = self.saturation(plan, wl, label="kafka-saturation",
                               then=None if plan.fresh_per_level else on_this_worker, out=out)
@@ -689,7 +691,8 @@ def run_profile(profile: Profile, out: Path, *, only: tuple[str, ...] = (),
                 logs: Path | None = None, budget_s: float | None = None,
                 start_s: float = 8.0, scaleout: bool = True,
                 launcher: str = "own",
-                brokers: tuple[BrokerKind, ...] | None = None) -> dict[str, Any]:
+                brokers: tuple[BrokerKind, ...] | None = None,
+                profile_open_loop: bool = False) -> dict[str, Any]:
     """Run every plan of ``profile`` (or those named in ``only``) on the embedded broker, then
     on Apache Kafka (:meth:`Bench.kafka_workload`), the backlog, then the scale-out section
     (:mod:`bench.scaleout`, ``launcher`` starts its workers; embedded broker).
@@ -706,6 +709,7 @@ def run_profile(profile: Profile, out: Path, *, only: tuple[str, ...] = (),
 
     brokers = profile.brokers if brokers is None else brokers
     bench = Bench(profile, out, log, logs)
+    bench.profile_open_loop = profile_open_loop
     bench.results["env"] = environment()
     bench.results["brokers"] = list(brokers)
     started = time.monotonic()

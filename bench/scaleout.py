@@ -41,7 +41,15 @@ import psutil
 
 from bench import load
 from bench.common import engine_ceiling, produce_backlog, results_count
-from bench.procs import BrokerKind, Sampler, fresh_broker, restore_environ, topic_names
+from bench.procs import (
+    BrokerKind,
+    Sampler,
+    fresh_broker,
+    profiling,
+    restore_environ,
+    topic_names,
+)
+from bench.profile import describe
 from bench.workloads import Workload, result_parse, workload
 from streamapp.broker import EmbeddedBroker
 from streamapp.children import free_port, popen_child
@@ -519,6 +527,10 @@ class ScaleOut:
         #: time.monotonic() by which the section must end (None: no budget); drains and
         #: worker starts are cut short so that one stuck step cannot overrun it.
         self.deadline: float | None = None
+        #: ``--profile-procs`` (issue 17): fleet.pids keys (``w0``, ``gpu-server0``, ...) that
+        #: py-spy records for ``profile_s`` under closed-loop load after each workers drain.
+        self.profile_procs: tuple[str, ...] = ()
+        self.profile_s = 0.0
 
     def timeout(self, wanted_s: float) -> float:
         """``wanted_s``, or less when the budget's deadline comes first (at least 5 s)."""
@@ -591,6 +603,9 @@ class ScaleOut:
                         res["server_batches"] = server_batches(fleet.servers)
                     if plan.closed_s > 0 and res["complete"]:
                         res["closed_loop"] = self._closed(plan, wl, n, broker, topics, sampler)
+                    if self.profile_procs and self.profile_s > 0 and res["complete"]:
+                        res["profiles"] = self._profiled(plan, wl, n, broker, topics, fleet,
+                                                         name)
                 finally:
                     sampler.__exit__()
             finally:
@@ -608,6 +623,26 @@ class ScaleOut:
         res["utilisation"] = sampler.summary(res["t0"], res["t1"])
         return {k: res.get(k) for k in ("results_per_s", "window", "duration_s", "drained",
                                         "utilisation")}
+
+    def _profiled(self, plan: ScalePlan, wl: Workload, n: int, broker: EmbeddedBroker,
+                  topics: Mapping[str, str], fleet: Fleet, name: str) -> dict[str, Any]:
+        """py-spy on the ``profile_procs`` of ``fleet`` for ``profile_s`` while a closed loop
+        keeps ``batch × inflight × 2`` requests per worker outstanding."""
+        with contextlib.ExitStack() as stack:
+            summaries = {key: stack.enter_context(profiling(
+                fleet.pids.get(key), self.profile_s, self.logs / f"profile-{name}-{key}.txt"))
+                for key in self.profile_procs}
+            res = _run(load.closed_loop(
+                broker.bootstrap_servers, topics["request"], [topics["result"], topics["dlq"]],
+                wl.payload, result_parse, window=plan.batch * plan.inflight * 2 * n,
+                warmup_s=0.5, duration_s=max(1.0, self.profile_s - 1.0),
+                producer_options=dict(plan.producer), from_end=True))
+        for key, summary in summaries.items():
+            if key not in fleet.pids:
+                summary["skipped"] = f"no process {key!r} (have {', '.join(fleet.pids)})"
+            self.log(f"    profile {key} at N={n} ({res['results_per_s']:,.0f} results/s): "
+                     f"{describe(summary)}")
+        return {"results_per_s": res["results_per_s"], **summaries}
 
     def ceiling(self, plan: ScalePlan, kind: str, n: int) -> dict[str, Any]:
         """N aiokafka relays or Faust forwarders of one group drain a backlog."""
@@ -812,7 +847,8 @@ def run_scaleout(profile: ScaleProfile, results: dict[str, Any], logs: Path, *, 
                  ns: tuple[int, ...] | None = None, only: tuple[str, ...] = (),
                  dry_run: bool = False, save: Callable[[], None] = lambda: None,
                  backend: str | None = None, broker: BrokerKind = "embedded",
-                 gpu_executor: str = "inprocess") -> dict[str, Any]:
+                 gpu_executor: str = "inprocess", profile_procs: tuple[str, ...] = (),
+                 profile_s: float = 8.0) -> dict[str, Any]:
     """Run (or, ``dry_run``, print) the scale-out section; returns ``results["scaleout"]``.
 
     Args:
@@ -829,6 +865,8 @@ def run_scaleout(profile: ScaleProfile, results: dict[str, Any], logs: Path, *, 
             executor server per GPU, started by ``streamapp worker --processes N``: implies
             ``launcher="processes"``); each worker point then has ``server_batches``, the
             mean batch the server's engine saw.
+        profile_procs: Processes py-spy records after each workers drain, for ``profile_s``
+            under closed-loop load (keys of the fleet: ``w0``..., ``gpu-server0``...).
     """
     if gpu_executor == "shared" and launcher != "processes":
         log("  gpu_executor=shared: the workers are started by `streamapp worker --processes N`"
@@ -839,6 +877,8 @@ def run_scaleout(profile: ScaleProfile, results: dict[str, Any], logs: Path, *, 
     profile = replace(profile, plans=plans)
     scale = None if dry_run else ScaleOut(profile, results, logs, log, launcher, save, broker,
                                           gpu_executor)
+    if scale is not None:
+        scale.profile_procs, scale.profile_s = profile_procs, profile_s
     section = results.setdefault("scaleout", {}) if scale is None else scale.section
     has_mps = shutil.which("nvidia-cuda-mps-control") is not None
     steps = plan_steps(profile, scale, ns, mps=has_mps or dry_run)

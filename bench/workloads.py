@@ -168,13 +168,16 @@ def _make(name: str, model: str, models_dir: Path | None, inputs: list[dict[str,
     return Workload(name, model, models_dir, payload, size, describe)
 
 
-def result_parse(value: bytes) -> tuple[float, int | None]:
-    """A result record → (request ts, batch size). ``ts − e2e_ms`` is the request's ``ts``."""
+def result_parse(value: bytes) -> tuple[float, int | None, tuple[float, float, float]]:
+    """A result record → (request ts, batch size, (queue_ms, infer_ms, e2e_ms)).
+    ``ts − e2e_ms`` is the request's ``ts``."""
     if value[:1] == b"{":
         r = json.loads(value)
     else:
         r = msgpack.unpackb(value, raw=False)
-    return r["ts"] - r["e2e_ms"] / 1000.0, r["batch_size"]
+    e2e = r["e2e_ms"]
+    return (r["ts"] - e2e / 1000.0, r["batch_size"],
+            (r.get("queue_ms") or 0.0, r.get("infer_ms") or 0.0, e2e))
 
 
 def forwarded_parse(value: bytes) -> tuple[float, int | None]:

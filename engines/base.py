@@ -17,7 +17,15 @@ import numpy as np
 
 from engines.exceptions import EngineClosedError, InputSpecError
 
-__all__ = ["DYNAMIC", "Engine", "EngineInfo", "StreamContext", "StreamEngine", "TensorSpec"]
+__all__ = [
+    "DYNAMIC",
+    "Engine",
+    "EngineInfo",
+    "StreamContext",
+    "StreamEngine",
+    "TensorSpec",
+    "format_shape",
+]
 
 #: Marker for a dynamic dimension in :attr:`TensorSpec.shape`.
 DYNAMIC = -1
@@ -80,6 +88,14 @@ class TensorSpec:
 
 def _fmt_shape(shape: tuple[int, ...]) -> str:
     return "[" + ", ".join("batch" if d == DYNAMIC else str(d) for d in shape) + "]"
+
+
+def format_shape(shape: tuple[int, ...]) -> str:
+    """A tensor shape as ``engines inspect`` and ``streamapp models check`` print it:
+    ``[batch, 1, 8, 8]``, ``batch`` for a dynamic first dimension, ``?`` for other dynamic
+    ones."""
+    dims = [("batch" if i == 0 else "?") if d == DYNAMIC else str(d) for i, d in enumerate(shape)]
+    return "[" + ", ".join(dims) + "]"
 
 
 @dataclass(frozen=True)

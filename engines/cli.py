@@ -14,7 +14,7 @@ from typing import Annotated, Any
 import typer
 from typer.core import TyperGroup
 
-from engines.base import DYNAMIC, TensorSpec
+from engines.base import TensorSpec, format_shape
 from engines.exceptions import EngineError
 from engines.registry import (
     available_backends,
@@ -115,10 +115,7 @@ def inspect(
 
 def _fmt_shape(spec: TensorSpec) -> str:
     """``[batch, 1, 8, 8]``: ``batch`` for a dynamic first dimension, ``?`` for other ones."""
-    dims = [
-        ("batch" if i == 0 else "?") if d == DYNAMIC else str(d) for i, d in enumerate(spec.shape)
-    ]
-    return "[" + ", ".join(dims) + "]"
+    return format_shape(spec.shape)
 
 
 def _fmt_opsets(opsets: dict[str, int]) -> str:

@@ -1,5 +1,6 @@
 """The ``streamapp`` command line: ``broker``, ``worker``, ``publish``, ``demo``, ``settings``,
-``status``, ``results tail``, ``dlq tail`` / ``dlq replay`` and ``tables rebuild``."""
+``status``, ``results tail``, ``dlq tail`` / ``dlq replay``, ``tables rebuild`` and
+``models check``."""
 
 from __future__ import annotations
 
@@ -170,6 +171,7 @@ def worker(
     app_id: Annotated[Optional[str], typer.Option(help=_setting("app_id"))] = None,
     backend: Annotated[Optional[str], typer.Option(help=_setting("backend"))] = None,
     models: Annotated[Optional[str], typer.Option(help=_setting("models"))] = None,
+    models_dir: Annotated[Optional[Path], typer.Option(help=_setting("models_dir"))] = None,
     max_batch_size: Annotated[Optional[int], typer.Option(help=_setting("max_batch_size"))]
     = None,
     max_batch_delay_ms: Annotated[Optional[float], typer.Option(
@@ -216,7 +218,7 @@ def worker(
 
     _check_port(web_port, "--web-port", free="a free port")
     flags: dict[str, Any] = dict(
-        broker=broker, app_id=app_id, backend=backend, models=models,
+        broker=broker, app_id=app_id, backend=backend, models=models, models_dir=models_dir,
         max_batch_size=max_batch_size, max_batch_delay_ms=max_batch_delay_ms,
         max_inflight_batches=max_inflight_batches, topic_prefix=topic_prefix,
         topic_partitions=topic_partitions, web_port=web_port, web_bind=web_bind,
@@ -279,6 +281,7 @@ def worker(
     from streamapp.logs import startup_block
 
     banner = startup_block(settings, loaded)
+    sys.setswitchinterval(settings.gil_switch_interval_ms / 1000.0)
     make_worker(app, settings.log_level, banner, notices).execute_from_commandline()
 
 
@@ -310,40 +313,91 @@ def gpu_server(
     raise typer.Exit(code)
 
 
+def _own_frames(files: list[str], directory: Path | None) -> tuple[list[str], list[Any]]:
+    """``(names, inputs)`` of the frames of ``--file`` (``-``: stdin) and ``--dir``, all read
+    before anything is sent.
+
+    Raises:
+        FrameError: A file is not a frame (which one, and why).
+    """
+    from streamapp.frames import frame_files, iter_frames, read_stdin
+
+    paths = [Path(f) for f in files if f != "-"]
+    if directory is not None:
+        paths += frame_files(directory)
+    names, inputs = [], []
+    for path, value in iter_frames(paths):
+        names.append(str(path))
+        inputs.append(value)
+    if "-" in files:
+        names.append("stdin")
+        inputs.append(read_stdin())
+    return names, inputs
+
+
 @cli.command()
 def publish(
     broker: Broker = None,
-    devices: Annotated[int, typer.Option(min=1, help="Number of devices.")] = 16,
-    count: Annotated[Optional[int], typer.Option(min=1, help="Frames to send (default: all "
-                     "1,797; repeats the images when larger).")] = None,
+    devices: Annotated[int, typer.Option(min=1, help="Number of devices (device-00, ...); "
+                       "frames go to them in turn.")] = 16,
+    device: Annotated[Optional[str], typer.Option(
+        "--device", "-d", metavar="ID",
+        help="Send every frame from this device_id instead of --devices.")]
+    = None,
+    file: Annotated[Optional[list[str]], typer.Option(
+        "--file", metavar="PATH", help="Send this frame (PNG, JPEG or .npy array) instead of the "
+        "digits; repeatable; '-' reads one frame from stdin.")] = None,
+    directory: Annotated[Optional[Path], typer.Option(
+        "--dir", metavar="DIR",
+        help="Send every .png, .jpg, .jpeg and .npy file of this directory, by name.")]
+    = None,
+    count: Annotated[Optional[int], typer.Option(min=1, help="Frames to send (default: each "
+                     "frame once, all 1,797 digits; repeats the frames when larger).")] = None,
     rate: Annotated[Optional[float], typer.Option(min=0.001, help="Frames per second "
                     "(default: as fast as possible).")] = None,
     codec: Annotated[str, typer.Option(help="json (base64 tensors) or msgpack.")] = "json",
     topic_prefix: Annotated[Optional[str], typer.Option()] = None,
     model: Annotated[str, typer.Option(help="Model name put in each request.")] = "digits",
 ) -> None:
-    """Publish scikit-learn's handwritten digits as frames from N devices (keyed by device).
+    """Publish frames keyed by device: scikit-learn's handwritten digits, or one's own files
+    (--file, --dir, stdin).
 
+    Every file is read and checked before anything is sent: one that is not a PNG, JPEG or
+    .npy array (or is larger than max_request_bytes as a request) is one error line, exit 1.
     Creates the request topic with STREAMAPP_TOPIC_PARTITIONS partitions (default 16) when it
-    does not exist, so that a worker started later finds the count its tables use.
+    does not exist, so that a worker started later finds the count its tables use. See the
+    answers with `streamapp results tail`.
     """
-    from streamapp.client import digits_requests, load_digits_frames
+    from streamapp.client import check_request_size, frame_requests, load_digits_frames
     from streamapp.client import publish as publish_requests
     from streamapp.kafka import kafka_security_options
+    from streamapp.records import TensorPayload
     from streamapp.settings import load_settings
 
     if codec not in ("json", "msgpack"):
         raise _fail(f"--codec must be json or msgpack, got {codec!r}", 2)
+    files = file or []
+    if files.count("-") > 1:
+        raise _fail("--file - (stdin) can be given once", 2)
     try:
         settings = load_settings(broker=broker, topic_prefix=topic_prefix)
         security = kafka_security_options(settings)
+        if files or directory is not None:
+            names, inputs = _own_frames(files, directory)
+        else:
+            images, _ = load_digits_frames()
+            names = [f"digit {i}" for i in range(len(images))]
+            inputs = [TensorPayload(str(i.dtype), i.shape, i.tobytes()) for i in images]
+        n = count or len(inputs)
+        indices = [i % len(inputs) for i in range(n)]
+        device_ids = [device] if device else [f"device-{d:02d}" for d in range(devices)]
+        requests = frame_requests(inputs, device_ids=device_ids, model=model, indices=indices)
+        for index, request in requests[:len(inputs)]:  # the others repeat these
+            check_request_size(request, codec, settings.max_request_bytes,  # type: ignore[arg-type]
+                               names[index])
     except StreamAppError as exc:
         raise _fail(str(exc)) from None
     _quiet_kafka_client()
-    images, _ = load_digits_frames()
-    n = count or len(images)
-    indices = [i % len(images) for i in range(n)]
-    requests = digits_requests(images, devices=devices, model=model, indices=indices)
     try:
         sent = asyncio.run(
             publish_requests(
@@ -357,10 +411,9 @@ def publish(
     except (StreamAppError, KafkaError) as exc:
         raise _fail(_error_line(exc, settings.bootstrap_servers)) from None
     span = sent[-1].sent_at - sent[0].sent_at if len(sent) > 1 else 0.0
-    typer.echo(
-        f"published {len(sent)} frames from {devices} devices to {settings.request_topic} "
-        f"in {span:.2f} s"
-    )
+    senders = f"device {device}" if device else f"{min(devices, len(sent))} devices"
+    frames = f"{len(sent)} frame{'s' * (len(sent) != 1)}"
+    typer.echo(f"published {frames} from {senders} to {settings.request_topic} in {span:.2f} s")
 
 
 @cli.command()
@@ -705,11 +758,12 @@ def tables_rebuild(
                "workers (they restore their tables from the changelogs)")
 
 
-# -- models (streamapp.models.commands, streamapp.views.models) -------------------------------
+# -- models (streamapp.models.check, streamapp.models.commands, streamapp.views.models) -------
 
 models_cli = typer.Typer(name="models", add_completion=False, pretty_exceptions_enable=False,
                          invoke_without_command=True,
-                         help="List each worker's model versions; hot-swap a version.")
+                         help="List each worker's model versions, hot-swap a version, check "
+                         "model folders (docs/models.md).")
 cli.add_typer(models_cli, name="models")
 
 WorkerUrl = Annotated[Optional[str], typer.Option(
@@ -779,6 +833,79 @@ def models_load(
         typer.echo(line, err=status != 200)
     if status != 200:
         raise typer.Exit(1)
+
+
+@models_cli.command("check")
+def models_check(
+    paths: Annotated[Optional[list[Path]], typer.Argument(
+        help="Model folders (metadata.json + model file). Default: the worker's models "
+        "(STREAMAPP_MODELS in STREAMAPP_MODELS_DIR).")] = None,
+    backend: Annotated[Optional[str], typer.Option(help=_setting("backend"))] = None,
+    models_dir: Annotated[Optional[Path], typer.Option(help=_setting("models_dir"))] = None,
+    models: Annotated[Optional[str], typer.Option(help=_setting("models"))] = None,
+) -> None:
+    """Check that a worker can serve a model folder, and print which requests it accepts.
+
+    Loads the model file with the backend, compares metadata.json with the engine's IO tensors
+    and runs one batch. Each problem is one line on stderr; exits 1 if there is any.
+    """
+    from streamapp.models.check import check_model, format_check
+    from streamapp.models.repository import ModelRepository
+    from streamapp.settings import load_settings
+
+    try:
+        settings = load_settings(backend=backend, models_dir=models_dir, models=models)
+    except StreamAppError as exc:
+        raise _fail(str(exc)) from None
+    if not paths:
+        root = ModelRepository(settings.models_dir).root
+        paths = [root / name for name in settings.models]
+    # A repository (a folder of model folders) stands for each model in it, a model with
+    # version folders for each version.
+    paths = [m for p in paths for m in _model_folders(p)]
+    failed = 0
+    for i, path in enumerate(paths):
+        check = check_model(path, backend=settings.backend,
+                            max_batch_size=settings.max_batch_size)
+        if check.ok:
+            typer.echo(("\n" if i else "") + "\n".join(format_check(check, top_k=settings.top_k)))
+            continue
+        failed += 1
+        for problem in check.problems:
+            typer.secho(f"error: {path}: {problem}", fg=typer.colors.RED, err=True)
+    if failed:
+        raise typer.Exit(1)
+    versioned = [p.name.isdigit() and not (p / "model.onnx").is_dir() for p in paths]
+    names = ",".join(dict.fromkeys(p.parent.name if v else p.name
+                                   for p, v in zip(paths, versioned, strict=True)))
+    where = {p.parent.parent if v else p.parent for p, v in zip(paths, versioned, strict=True)}
+    dir_flag = f" --models-dir {next(iter(where))}" if len(where) == 1 and where != {
+        ModelRepository().root} else ""
+    typer.echo(f"ok: streamapp worker{dir_flag} --models {names} serves "
+               f"{'it' if len(paths) == 1 else 'them'}")
+
+
+def _model_folders(path: Path) -> list[Path]:
+    """The model folders ``path`` stands for: itself (a folder with ``metadata.json``, or not a
+    folder), its version folders (``NAME/<V>/``), or every version of every model in it (a
+    repository)."""
+    from streamapp.exceptions import ModelNotFoundError
+    from streamapp.models.repository import ModelRepository
+
+    if (path / "metadata.json").exists() or not path.is_dir():
+        return [path]
+    versions = sorted((p for p in path.iterdir() if p.name.isdigit()
+                       and (p / "metadata.json").is_file()), key=lambda p: int(p.name))
+    if versions:
+        return versions
+    repo = ModelRepository(path)
+    found = []
+    for name in repo.names():
+        try:
+            found += list(repo.versions(name).values())
+        except (ModelNotFoundError, ConfigError):
+            found.append(path / name)
+    return found or [path]
 
 
 # -- status (streamapp.status) -------------------------------------------------------------------

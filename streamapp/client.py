@@ -1,17 +1,23 @@
-"""Client side of the pipeline: publish keyed device events, collect results and dead letters.
+"""Client side of the pipeline: publish keyed device events, await their answers, collect
+results and dead letters.
 
-Used by ``streamapp publish``, the demo, the benchmarks and the integration tests. It talks to
-Kafka with plain aiokafka, as a gateway in front of cameras would, not through Faust.
+:class:`AsyncClient` and its blocking twin :class:`Client` are the API for one's own frames
+(README, "Publish a JPEG from Python"): ``send`` publishes a frame (numpy array, PNG/JPEG bytes or
+file, ``.npy`` file, PIL image) for a device, ``infer`` publishes it and returns its result or dead
+letter (:class:`~streamapp.replies.Reply`). The functions below them publish and read in bulk for
+``streamapp publish``, the demo, the benchmarks and the tests. It talks to Kafka with plain
+aiokafka, as a gateway in front of cameras would, not through Faust.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
@@ -19,16 +25,30 @@ from aiokafka.errors import KafkaError
 from tqdm import tqdm
 
 from streamapp.codecs import CodecName, decode_dead_letter, decode_result, encode_request
-from streamapp.exceptions import PublishError
+from streamapp.exceptions import BrokerError, FrameError, PublishError, ReplyTimeoutError
+from streamapp.frames import Frame, make_request
 from streamapp.kafka import describe_error, ensure_topics, partitions_of, start_or_close
 from streamapp.records import DeadLetter, InferenceRequest, TensorPayload
+from streamapp.replies import Reply, ReplyWaiter
 from streamapp.settings import DEFAULT_TOPIC_PARTITIONS
 
+if TYPE_CHECKING:
+    from streamapp.settings import Settings
+
+_T = TypeVar("_T")
+
 __all__ = [
+    "AsyncClient",
+    "Client",
+    "FrameError",
     "Outcomes",
+    "Reply",
+    "ReplyTimeoutError",
     "SentRequest",
+    "check_request_size",
     "collect_outcomes",
     "digits_requests",
+    "frame_requests",
     "load_digits_frames",
     "publish",
     "publish_values",
@@ -43,6 +63,7 @@ class SentRequest:
         request_id / device_id / seq / ts: As in the request.
         index: Index of the image in ``sklearn.datasets.load_digits()`` (or -1).
         sent_at: Epoch seconds when the producer handed it over.
+        partition / offset: Where the broker stored it (-1 where not recorded).
     """
 
     request_id: str
@@ -51,6 +72,8 @@ class SentRequest:
     ts: float
     index: int
     sent_at: float
+    partition: int = -1
+    offset: int = -1
 
 
 def load_digits_frames() -> tuple[np.ndarray, np.ndarray]:
@@ -87,27 +110,76 @@ def digits_requests(
     """
     if devices < 1:
         raise ValueError(f"devices must be >= 1, got {devices}")
+    tensors = [TensorPayload(str(image.dtype), image.shape, np.ascontiguousarray(image).tobytes())
+               for image in images]
+    return frame_requests(tensors, device_ids=[f"device-{d:02d}" for d in range(devices)],
+                          model=model, run_id=run_id, indices=indices)
+
+
+def frame_requests(
+    inputs: Sequence[TensorPayload | bytes],
+    *,
+    device_ids: Sequence[str],
+    model: str,
+    run_id: str | None = None,
+    indices: Sequence[int] | None = None,
+) -> list[tuple[int, InferenceRequest]]:
+    """Requests for frame inputs from the given devices, round-robin, with per-device ``seq``.
+
+    Args:
+        inputs: Tensors, or PNG/JPEG bytes (:func:`streamapp.frames.frame_input`).
+        device_ids: The devices, at least one; frame ``n`` goes to ``device_ids[n % len]``.
+        model: Model name put in each request.
+        run_id: Prefix of request ids (``<run_id>-<n>``; default: random).
+        indices: Which inputs to send, in order (default: all, once).
+
+    Returns:
+        ``(input index, request)`` pairs in send order; ``ts`` is filled in when sent.
+    """
+    if not device_ids:
+        raise ValueError("device_ids is empty; give at least one device")
     run_id = run_id or uuid.uuid4().hex[:8]
-    seqs = [0] * devices
+    seqs = dict.fromkeys(device_ids, 0)
     out = []
-    for n, index in enumerate(range(len(images)) if indices is None else indices):
-        d = n % devices
-        image = np.ascontiguousarray(images[index])
-        out.append(
-            (
-                index,
-                InferenceRequest(
-                    request_id=f"{run_id}-{n}",
-                    device_id=f"device-{d:02d}",
-                    seq=seqs[d],
-                    ts=0.0,
-                    model=model,
-                    tensor=TensorPayload(str(image.dtype), image.shape, image.tobytes()),
-                ),
-            )
-        )
-        seqs[d] += 1
+    for n, index in enumerate(range(len(inputs)) if indices is None else indices):
+        device = device_ids[n % len(device_ids)]
+        value = inputs[index]
+        out.append((index, InferenceRequest(
+            request_id=f"{run_id}-{n}", device_id=device, seq=seqs[device], ts=0.0, model=model,
+            tensor=value if isinstance(value, TensorPayload) else None,
+            image=value if isinstance(value, bytes) else None,
+        )))
+        seqs[device] += 1
     return out
+
+
+def check_request_size(request: InferenceRequest, codec: CodecName, limit: int,
+                       what: str = "") -> bytes:
+    """The encoded request value, refused when the worker would refuse it as too large.
+
+    Args:
+        request: The request.
+        codec: ``"json"`` or ``"msgpack"``.
+        limit: The worker's ``max_request_bytes``.
+        what: Where the frame came from, for the message (a file name), or "".
+
+    Returns:
+        The value, ``len(value) <= limit``.
+
+    Raises:
+        FrameError: It is larger than ``limit``.
+    """
+    value = encode_request(request, codec)
+    if len(value) > limit:
+        source = f" ({what})" if what else ""
+        raise FrameError(
+            f"the request for device {request.device_id!r}{source} is {len(value):,} bytes as "
+            f"{codec}, more than max_request_bytes={limit:,} that the worker accepts "
+            "(STREAMAPP_MAX_REQUEST_BYTES): send a smaller frame (resize the image, or "
+            "compress it as a JPEG)"
+            + (", or msgpack instead of json (no base64)" if codec == "json" else "")
+        )
+    return value
 
 
 async def _ensure_topic(
@@ -123,10 +195,14 @@ async def _ensure_topic(
                             replication_factor=replication_factor)
 
 
-def _producer(bootstrap_servers: str, security: Mapping[str, Any] | None) -> AIOKafkaProducer:
+def _producer(bootstrap_servers: str, security: Mapping[str, Any] | None,
+              max_request_size: int = 1_048_576) -> AIOKafkaProducer:
+    # acks=all: a frame counts as sent once every in-sync replica has it; linger 2 ms lets
+    # concurrent sends share a record batch. No idempotence: it needs InitProducerId, which the
+    # embedded broker does not have.
     return AIOKafkaProducer(
         bootstrap_servers=bootstrap_servers, acks="all", linger_ms=2, request_timeout_ms=30_000,
-        **(security or {}),
+        max_request_size=max_request_size, **(security or {}),
     )
 
 
@@ -313,3 +389,294 @@ async def collect_outcomes(
         bar.close()
         await consumer.stop()
     return outcomes
+
+
+# -- one's own frames: AsyncClient / Client -----------------------------------------------------
+
+
+class AsyncClient:
+    """Publish frames for devices and await their answers (asyncio).
+
+    One producer for every send, and one consumer of the result and dead-letter topics shared by
+    every :meth:`infer` (started at the first one). Use ``async with AsyncClient(...) as
+    client:``, or call :meth:`close` at the end; the first call starts it.
+
+    Args:
+        broker: ``kafka://host:port`` or ``host:port`` (default: ``STREAMAPP_BROKER``).
+        topic_prefix: As the worker's (default: ``STREAMAPP_TOPIC_PREFIX``).
+        model: Model named in requests when a call names none (default: the first of
+            ``STREAMAPP_MODELS``, ``digits``).
+        codec: ``"json"`` (base64 data) or ``"msgpack"`` (raw bytes, a third smaller).
+        settings: Complete settings instead of the environment (``broker`` and
+            ``topic_prefix`` then ignored); the security settings (TLS/SASL),
+            ``topic_partitions`` (a missing request topic is created with it) and
+            ``max_request_bytes`` (larger requests are refused before sending) come from them.
+
+    Raises:
+        ConfigError: A setting is invalid (from the environment or the arguments).
+    """
+
+    def __init__(
+        self,
+        broker: str | None = None,
+        *,
+        topic_prefix: str | None = None,
+        model: str | None = None,
+        codec: CodecName = "json",
+        settings: Settings | None = None,
+    ) -> None:
+        from streamapp.kafka import kafka_security_options
+        from streamapp.settings import load_settings
+
+        if codec not in ("json", "msgpack"):
+            raise ValueError(f"codec must be 'json' or 'msgpack', got {codec!r}")
+        self.settings = settings or load_settings(broker=broker, topic_prefix=topic_prefix)
+        self.model = model or self.settings.models[0]
+        self.codec: CodecName = codec
+        self._security = kafka_security_options(self.settings)
+        self._seqs: dict[str, int] = {}
+        self._producer: AIOKafkaProducer | None = None
+        self._replies: ReplyWaiter | None = None
+        self._lock = asyncio.Lock()
+
+    async def __aenter__(self) -> AsyncClient:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        """Create the request topic when it is missing, and start the producer.
+
+        Raises:
+            BrokerError: The broker did not answer, or the topic could not be created.
+        """
+        async with self._lock:
+            await self._start_producer()
+
+    async def _start_producer(self) -> AIOKafkaProducer:
+        if self._producer is None:
+            s = self.settings
+            await _ensure_topic(s.bootstrap_servers, s.request_topic, s.topic_partitions,
+                                self._security, s.topic_replication_factor)
+            producer = _producer(s.bootstrap_servers, self._security,
+                                 max(1_048_576, s.max_request_bytes + 4096))
+            try:
+                await start_or_close(producer)
+            except KafkaError as exc:
+                raise BrokerError(
+                    f"cannot publish to {s.bootstrap_servers}: {describe_error(exc)}"
+                ) from exc
+            self._producer = producer
+        return self._producer
+
+    async def _start_replies(self) -> ReplyWaiter:
+        async with self._lock:
+            await self._start_producer()
+            if self._replies is None:
+                s = self.settings
+                replies = ReplyWaiter(s.bootstrap_servers, s.result_topic, s.dlq_topic,
+                                      security=self._security)
+                await replies.start()
+                self._replies = replies
+            return self._replies
+
+    async def close(self) -> None:
+        """Stop the producer and the consumer; requests still awaited get a BrokerError."""
+        async with self._lock:
+            if self._replies is not None:
+                await self._replies.stop()
+                self._replies = None
+            if self._producer is not None:
+                await self._producer.stop()
+                self._producer = None
+
+    def request(
+        self, device_id: str, frame: Frame, *, model: str | None = None, seq: int | None = None,
+        request_id: str | None = None, ts: float | None = None,
+    ) -> InferenceRequest:
+        """The request :meth:`send` would publish for this frame (nothing is sent).
+
+        ``seq`` defaults to the device's next number in this client (0, 1, ...); the other
+        arguments are those of :meth:`send`.
+
+        Raises:
+            FrameError: The frame cannot become a request, or it would be larger than
+                ``max_request_bytes`` (which the worker refuses).
+        """
+        if seq is None:
+            seq = self._seqs.get(device_id, 0)
+        request = make_request(device_id, frame, model=model or self.model, seq=seq,
+                               request_id=request_id, ts=ts)
+        self._seqs[device_id] = seq + 1
+        return request
+
+    async def send(
+        self, device_id: str, frame: Frame, *, model: str | None = None, seq: int | None = None,
+        request_id: str | None = None, ts: float | None = None,
+    ) -> SentRequest:
+        """Publish one frame of a device and wait for the broker's acknowledgement.
+
+        Args:
+            device_id: The device; the record key (UTF-8), so its frames keep their order.
+            frame: A numpy array (a tensor: any of the request dtypes, e.g.
+                ``uint8[8, 8]`` for ``digits``; sent little-endian, C order), PNG/JPEG bytes,
+                the path of a PNG, JPEG or ``.npy`` file, or a PIL image (sent as PNG). Images
+                need a model with an ``image`` declaration (docs/images.md).
+            model: Model name (default: the client's).
+            seq: The device's sequence number (default: the next one in this client, from 0).
+            request_id: Default: a random 32-hex-digit id.
+            ts: Capture time, epoch seconds (default: now).
+
+        Returns:
+            What was sent, with the partition and offset the broker stored it at.
+
+        Raises:
+            FrameError: The frame cannot become a request; nothing was sent.
+            BrokerError: The broker did not answer when the client started.
+            PublishError: The broker did not acknowledge the frame (it may or may not have
+                arrived).
+        """
+        request = self.request(device_id, frame, model=model, seq=seq, request_id=request_id,
+                               ts=ts)
+        return await self._publish(request)
+
+    async def _publish(self, request: InferenceRequest,
+                       replies: ReplyWaiter | None = None) -> SentRequest:
+        value = check_request_size(request, self.codec, self.settings.max_request_bytes)
+        if self._producer is None:
+            await self.start()
+        producer = self._producer
+        assert producer is not None
+        topic = self.settings.request_topic
+        sent_at = time.time()
+        try:
+            metadata = await (await producer.send(topic, value,
+                                                  key=request.device_id.encode("utf-8")))
+        except KafkaError as exc:
+            raise PublishError(
+                f"publishing request {request.request_id} of device {request.device_id!r} to "
+                f"{topic} on {self.settings.bootstrap_servers} failed; it may or may not have "
+                f"arrived ({describe_error(exc)})", sent=1, acknowledged=0, total=1,
+            ) from exc
+        if replies is not None:
+            replies.published(request.request_id, topic, metadata.partition, metadata.offset)
+        return SentRequest(request.request_id, request.device_id, request.seq, request.ts, -1,
+                           sent_at, metadata.partition, metadata.offset)
+
+    async def infer(
+        self, device_id: str, frame: Frame, *, timeout: float = 30.0, model: str | None = None,
+        seq: int | None = None, request_id: str | None = None, ts: float | None = None,
+    ) -> Reply:
+        """Publish one frame and return its answer: the result, or the dead letter.
+
+        Concurrent calls share one consumer of the result and dead-letter topics; each gets the
+        answer with its own ``request_id`` (or, for a dead letter without one, the one whose
+        source is its record). The first answer counts: a duplicate after a worker restart
+        (at-least-once) is ignored.
+
+        Args:
+            device_id / frame / model / seq / request_id / ts: As :meth:`send`.
+            timeout: Seconds to wait for the answer after publishing, > 0.
+
+        Returns:
+            The :class:`~streamapp.replies.Reply`: ``reply.result`` (``reply.label``,
+            ``reply.score``) or ``reply.dead_letter`` (``reply.reason``).
+
+        Raises:
+            FrameError: As :meth:`send`; nothing was sent.
+            BrokerError: The result or dead-letter topic does not exist (no worker has run),
+                or reading them failed.
+            PublishError: As :meth:`send`.
+            ReplyTimeoutError: No answer within ``timeout`` (the request was published and may
+                still be answered later).
+        """
+        if not timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+        request = self.request(device_id, frame, model=model, seq=seq, request_id=request_id,
+                               ts=ts)
+        replies = await self._start_replies()
+        future = replies.expect(request.request_id)
+        try:
+            sent = await self._publish(request, replies)
+            try:
+                return await asyncio.wait_for(future, timeout)
+            except TimeoutError:
+                pass
+            s = self.settings
+            raise ReplyTimeoutError(
+                f"no answer to request {request.request_id} (device {request.device_id!r}, "
+                f"model {request.model!r}) within {timeout:g} s: neither {s.result_topic} nor "
+                f"{s.dlq_topic} has it. It was published to {s.request_topic}[{sent.partition}]"
+                f"@{sent.offset}; is a worker running with this topic prefix "
+                f"({s.topic_prefix!r}) and caught up (streamapp status)? Give a longer timeout "
+                "for a first request (a worker may still be starting)",
+                request_id=request.request_id, timeout_s=timeout,
+            )
+        finally:
+            replies.forget(request.request_id)
+
+
+class Client:
+    """The blocking form of :class:`AsyncClient`, for scripts and threads.
+
+    Its own event loop runs in a background thread; methods block until done and may be called
+    from several threads at once (their requests share the producer and the consumer). Use
+    ``with Client(...) as client:``, or call :meth:`close`.
+
+    Args:
+        broker / topic_prefix / model / codec / settings: As :class:`AsyncClient`.
+
+    Raises:
+        ConfigError: A setting is invalid.
+    """
+
+    def __init__(
+        self,
+        broker: str | None = None,
+        *,
+        topic_prefix: str | None = None,
+        model: str | None = None,
+        codec: CodecName = "json",
+        settings: Settings | None = None,
+    ) -> None:
+        self._client = AsyncClient(broker, topic_prefix=topic_prefix, model=model, codec=codec,
+                                   settings=settings)
+        self.settings = self._client.settings
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="streamapp-client",
+                                        daemon=True)
+        self._thread.start()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, coro: Coroutine[Any, Any, _T]) -> _T:
+        if self._loop.is_closed():
+            coro.close()
+            raise RuntimeError("the client is closed")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def send(self, device_id: str, frame: Frame, **options: Any) -> SentRequest:
+        """Publish one frame; see :meth:`AsyncClient.send` (same arguments, errors, result)."""
+        return self._call(self._client.send(device_id, frame, **options))
+
+    def infer(self, device_id: str, frame: Frame, *, timeout: float = 30.0,
+              **options: Any) -> Reply:
+        """Publish one frame and return its answer; see :meth:`AsyncClient.infer`."""
+        return self._call(self._client.infer(device_id, frame, timeout=timeout, **options))
+
+    def close(self) -> None:
+        """Stop the producer, the consumer and the background loop (safe to call twice)."""
+        if self._loop.is_closed():
+            return
+        try:
+            self._call(self._client.close())
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+            self._loop.close()

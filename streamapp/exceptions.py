@@ -12,11 +12,13 @@ from typing import Any
 __all__ = [
     "BrokerError",
     "ConfigError",
+    "FrameError",
     "InternalError",
     "InvalidRequestError",
     "ModelNotFoundError",
     "ModelSwapError",
     "PublishError",
+    "ReplyTimeoutError",
     "StreamAppError",
     "TableUnavailableError",
 ]
@@ -63,6 +65,31 @@ class PublishError(BrokerError):
         self.sent, self.acknowledged, self.total = sent, acknowledged, total
 
 
+class FrameError(StreamAppError, ValueError):
+    """A frame given to the client cannot become a request (an array of a dtype no request may
+    carry, bytes that are neither PNG nor JPEG, a file that cannot be read); nothing was sent."""
+
+    reason = "bad_frame"
+
+
+class ReplyTimeoutError(StreamAppError, TimeoutError):
+    """No result and no dead letter of a published request arrived in time
+    (:meth:`streamapp.client.AsyncClient.infer`). The request was sent and acknowledged, and it
+    may still be answered: retrying sends it again (a new request id).
+
+    Attributes:
+        request_id: The request that was not answered.
+        timeout_s: How long was waited (seconds).
+    """
+
+    retriable = True
+    reason = "reply_timeout"
+
+    def __init__(self, message: str, *, request_id: str, timeout_s: float) -> None:
+        super().__init__(message)
+        self.request_id, self.timeout_s = request_id, timeout_s
+
+
 class ConfigError(StreamAppError, ValueError):
     """A setting has an invalid value."""
 
@@ -103,7 +130,7 @@ class ModelSwapError(StreamAppError):
         reason: ``unknown_model``, ``version_not_found``, ``bad_metadata``,
             ``incompatible_version``, ``load_failed``, ``warmup_failed``, ``check_failed``,
             ``not_supported`` (shared executor), ``not_prepared``, ``busy``, ``not_ready``,
-            ``worker_unreachable`` (docs/models.md lists them).
+            ``worker_unreachable`` (docs/versions.md lists them).
         status: The HTTP status the endpoint answers with (404, 409, 422, 503).
     """
 

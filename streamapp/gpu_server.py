@@ -15,6 +15,7 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 import tempfile
 from pathlib import Path
 
@@ -96,6 +97,7 @@ def run_gpu_server(settings: Settings) -> int:
 
     logging.basicConfig(level=logging.WARNING,
                         format="[%(asctime)s] [%(process)d] [%(levelname)s] %(message)s")
+    sys.setswitchinterval(settings.gil_switch_interval_ms / 1000.0)
     path = server_socket(settings)
     models = load_local_models(settings)
     asyncio.run(_serve(settings, models, path))

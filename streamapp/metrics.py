@@ -107,7 +107,7 @@ METRIC_FAMILIES: tuple[tuple[str, str, str, str], ...] = (
     ("streamapp_engine_info", "info", "model, backend, engine, device, precision, "
      "max_batch_size, model_version", "The engine serving each model (value 1); "
      "`model_version` is its current version, changed by `streamapp models load` "
-     "(docs/models.md)."),
+     "(docs/versions.md)."),
     ("streamapp_table_flushes_total", "counter", "",
      "Times the device tables were written (once per state flush: state_flush_interval_ms, "
      "or sooner after state_flush_max_records finished records)."),

@@ -89,7 +89,7 @@ class InferenceRequest:
         tensor: The input tensor, or None when ``image`` is given.
         image: Encoded image bytes (JPEG/PNG), or None when ``tensor`` is given.
         model_version: The version the request pins (e.g. ``"2"``), or None for the model's
-            current one. A pinned version must be loaded on the worker (docs/models.md).
+            current one. A pinned version must be loaded on the worker (docs/versions.md).
     """
 
     request_id: str

@@ -174,6 +174,21 @@ class Settings(BaseSettings):
         description="CUDA streams of the GPU executor (GPU backends only); batches in flight "
         "are spread over them, ceil(max_inflight_batches / cuda_streams) per stream.",
     )
+    cuda_inline_pack_kib: int = Field(
+        256, ge=0,
+        description="A batch whose inputs take at most this many KiB is packed into pinned "
+        "memory and enqueued on the event loop's thread, not handed to a pack thread: the "
+        "copy costs microseconds, the thread crossing up to a GIL switch interval (GPU "
+        "backends only; images the engine decodes always go to a pack thread). 0: never.",
+    )
+    gil_switch_interval_ms: float = Field(
+        5.0, gt=0, le=100,
+        description="CPython's thread switch interval in the worker and executor server "
+        "processes (ms; sys.setswitchinterval, CPython's default 5 ms). A batch crosses "
+        "threads three times (pack, CUDA completion, back to the event loop) and each crossing "
+        "can wait this long for the GIL while the event loop runs Python: lower it for "
+        "latency (docs/performance.md, issue 17).",
+    )
     gpu_executor: GpuExecutor = Field(
         "inprocess",
         description="Where a worker's engines run: 'inprocess' (each worker loads its own, "

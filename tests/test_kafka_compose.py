@@ -8,6 +8,7 @@ from typing import Any
 import yaml
 
 from streamapp.kafka_server import KAFKA_VERSION, broker_properties
+from streamapp.settings import Settings
 
 COMPOSE = yaml.safe_load((Path(__file__).parents[1] / "docker-compose.yml").read_text())
 KAFKA = COMPOSE["services"]["kafka"]
@@ -37,3 +38,23 @@ def test_compose_kafka_keeps_its_logs_on_the_data_volume() -> None:
     mounts = {m.split(":")[1]: m.split(":")[0] for m in KAFKA["volumes"]}
     log_dirs = _env(KAFKA)["KAFKA_LOG_DIRS"]
     assert mounts.get(log_dirs) == "kafka-data", (log_dirs, mounts)
+
+
+def test_the_host_reaches_compose_kafka_at_streamapps_default_broker() -> None:
+    # commands run on the host (streamapp publish, results tail) need no --broker
+    env = _env(KAFKA)
+    listeners = dict(item.split("://") for item in env["KAFKA_LISTENERS"].split(","))
+    advertised = dict(item.split("://") for item in env["KAFKA_ADVERTISED_LISTENERS"].split(","))
+    protocols = dict(item.split(":") for item in env["KAFKA_LISTENER_SECURITY_PROTOCOL_MAP"]
+                     .split(","))
+    assert set(advertised) <= set(listeners) <= set(protocols)
+    default = Settings().bootstrap_servers  # 127.0.0.1:9092
+    (host_listener,) = [name for name, address in advertised.items() if address == default]
+    container_port = listeners[host_listener].rsplit(":", 1)[1]
+    host, port = default.rsplit(":", 1)
+    assert f"{host}:{port}:{container_port}" in KAFKA["ports"]  # loopback only: no auth
+    # the compose network keeps its own listener, which every streamapp service uses
+    services = [s for s in COMPOSE["services"].values() if "STREAMAPP_BROKER" in _env(s)]
+    assert services and {_env(s)["STREAMAPP_BROKER"] for s in services} == {
+        f"kafka://{advertised['PLAINTEXT']}"}
+    assert env["KAFKA_INTER_BROKER_LISTENER_NAME"] == "PLAINTEXT"

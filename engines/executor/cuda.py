@@ -10,12 +10,15 @@ Layout (all allocated once, in ``__init__``, at the engine's maximum batch):
   (bounded in-flight work = backpressure).
 
 One batch: take a free slot → pack the items straight into its pinned staging (in a worker
-thread, so the event loop never copies megabytes) → under the lane lock enqueue H2D copy,
-``context.enqueue``, D2H copy and record the slot's event, and hand the slot to the lane's waiter
-→ the waiter thread sleeps in ``cudaEventSynchronize`` (blocking-sync event: no spinning), copies
-the outputs out of pinned memory and resolves the asyncio future with
-``loop.call_soon_threadsafe``. Work on one lane runs in stream order, so the device buffers are
-reused safely; with two lanes the H2D copy of batch k+1 overlaps the compute of batch k.
+thread, so the event loop never copies megabytes; a batch of at most ``inline_pack_bytes``, 256
+KiB by default, is packed and enqueued on the event loop itself: a copy of microseconds costs
+less than the thread crossing, which can wait a GIL switch interval, 5 ms, issue 17) → under the
+lane lock enqueue H2D copy, ``context.enqueue``, D2H copy and record the slot's event, and hand
+the slot to the lane's waiter → the waiter thread sleeps in ``cudaEventSynchronize``
+(blocking-sync event: no spinning), copies the outputs out of pinned memory and resolves the
+asyncio future with ``loop.call_soon_threadsafe``. Work on one lane runs in stream order, so the
+device buffers are reused safely; with two lanes the H2D copy of batch k+1 overlaps the compute
+of batch k.
 """
 
 from __future__ import annotations
@@ -123,6 +126,9 @@ class CudaExecutor(Executor):
         device: CUDA device ordinal.
         record_timeline: Record four timing events per batch and keep :attr:`timeline`
             (a little overhead; for ``engines bench``).
+        inline_pack_bytes: A batch whose inputs are at most this many bytes is packed and
+            enqueued on the calling event loop's thread instead of a pool thread (module
+            docstring). 0: always in a pool thread.
 
     Raises:
         TypeError: ``engine`` cannot enqueue on a stream.
@@ -141,6 +147,7 @@ class CudaExecutor(Executor):
         max_batch: int | None = None,
         device: int = 0,
         record_timeline: bool = False,
+        inline_pack_bytes: int = 256 * 1024,
     ) -> None:
         if not isinstance(engine, StreamEngine):
             raise TypeError(
@@ -161,6 +168,14 @@ class CudaExecutor(Executor):
         self.device = device
         self.record_timeline = record_timeline
         self.timeline: list[TimelineEntry] = []
+        #: Bytes of one item's inputs; None where a dimension is dynamic or the engine decodes
+        #: frames itself (those batches are always packed in a pool thread).
+        self._item_bytes: int | None = None
+        self.inline_pack_bytes = inline_pack_bytes
+        if not supports_gpu_images(engine):
+            shapes = [(tuple(spec.item_shape), np.dtype(spec.dtype)) for spec in engine.inputs]
+            if all(d >= 0 for shape, _ in shapes for d in shape):
+                self._item_bytes = sum(int(np.prod(shape)) * dt.itemsize for shape, dt in shapes)
 
         self._closed = False
         self._inflight = 0
@@ -352,7 +367,12 @@ class CudaExecutor(Executor):
         self._inflight += 1
         self._outstanding.add(future)
         future.add_done_callback(self._outstanding.discard)
-        self._pool.submit(self._submit_batch, job, items)
+        small = self._item_bytes is not None \
+            and len(items) * self._item_bytes <= self.inline_pack_bytes
+        if small:
+            self._submit_batch(job, items)  # small: no thread crossing (module docstring)
+        else:
+            self._pool.submit(self._submit_batch, job, items)
         return future
 
     async def run(self, items: Sequence[Item]) -> dict[str, np.ndarray]:
@@ -406,7 +426,8 @@ class CudaExecutor(Executor):
     # worker side (pack thread, waiter thread)
 
     def _submit_batch(self, job: _Job, items: Sequence[Item]) -> None:
-        """Pool thread: pack into the slot's pinned staging, then enqueue on the lane's stream."""
+        """Pool thread (or the event loop, for a small batch): pack into the slot's pinned
+        staging, then enqueue on the lane's stream."""
         slot, lane = job.slot, job.slot.lane
         staged: StagedBatch | None = None
         try:

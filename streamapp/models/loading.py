@@ -15,6 +15,8 @@ from engines.base import StreamEngine
 from engines.executor import Executor, ThreadExecutor
 from engines.registry import load_engine, load_first
 from streamapp.agents.pipeline import LoadedModel
+from streamapp.exceptions import ConfigError
+from streamapp.models.check import engine_problems
 from streamapp.models.repository import ModelConfig, ModelRepository
 from streamapp.settings import Settings
 
@@ -32,7 +34,8 @@ def _make_executor(
     Args:
         backend: A registered backend name (not ``auto``).
         model_path: The model's file.
-        settings: ``max_batch_size``, ``max_inflight_batches`` and ``cuda_streams`` are used.
+        settings: ``max_batch_size``, ``max_inflight_batches``, ``cuda_streams`` and
+            ``cuda_inline_pack_kib`` are used.
         options: Backend options from the model's metadata (e.g. ``precision``).
 
     Raises:
@@ -46,7 +49,8 @@ def _make_executor(
 
         depth = max(1, -(-settings.max_inflight_batches // settings.cuda_streams))
         return CudaExecutor(engine, streams=settings.cuda_streams, depth=depth,
-                            max_batch=settings.max_batch_size)
+                            max_batch=settings.max_batch_size,
+                            inline_pack_bytes=settings.cuda_inline_pack_kib * 1024)
     return ThreadExecutor(engine, max_inflight=settings.max_inflight_batches)
 
 
@@ -60,6 +64,7 @@ def load_models(settings: Settings) -> dict[str, LoadedModel]:
 
     Raises:
         ModelNotFoundError: A model is not in the repository.
+        ConfigError: A model's engine does not fit its ``metadata.json`` (in-process only).
         EngineError: A backend is unknown/unavailable or a model failed to load (with ``auto``:
             no candidate loaded it; the message lists each one's error).
     """
@@ -70,10 +75,15 @@ def load_models(settings: Settings) -> dict[str, LoadedModel]:
 
 def load_local_models(settings: Settings) -> dict[str, LoadedModel]:
     """Load every model in ``settings.models`` with ``settings.backend`` in this process
-    (what a worker with ``gpu_executor=inprocess`` and the executor server do).
+    (what a worker with ``gpu_executor=inprocess`` and the executor server do), and check
+    that each engine takes what its metadata promises
+    (:func:`~streamapp.models.check.engine_problems`).
 
     Raises:
-        As :func:`load_models`.
+        ConfigError: A model's engine does not fit its ``metadata.json`` (input name, dtype or
+            shape, a fixed batch dimension, output not one score per label); the message lists
+            each problem.
+        As :func:`load_models` otherwise.
     """
     repo = ModelRepository(settings.models_dir)
     return {name: load_version(settings, repo.get(name)) for name in settings.models}
@@ -81,10 +91,13 @@ def load_local_models(settings: Settings) -> dict[str, LoadedModel]:
 
 def load_version(settings: Settings, config: ModelConfig) -> LoadedModel:
     """Load one version of a model with ``settings.backend`` in this process (at start, and
-    for a hot swap: :mod:`streamapp.models.swap`).
+    for a hot swap: :mod:`streamapp.models.swap`), and check that its engine takes what its
+    metadata promises (:func:`~streamapp.models.check.engine_problems`).
 
     Raises:
         EngineError: The backend is unknown/unavailable or the file failed to load.
+        ConfigError: The engine does not fit the version's ``metadata.json``; the message
+            lists each problem.
     """
 
     def make(backend: str) -> Executor:
@@ -92,6 +105,14 @@ def load_version(settings: Settings, config: ModelConfig) -> LoadedModel:
                               config.engine_options(backend))
 
     executor = load_first(settings.backend, make)
+    problems = engine_problems(config, executor.engine)
+    if problems:
+        executor.engine.close()
+        raise ConfigError(
+            f"model {config.name!r} ({config.path}) does not fit its metadata.json: "
+            f"{'; '.join(problems)} (streamapp models check {config.path.parent} lists "
+            "every problem; docs/models.md)"
+        )
     log.info("loaded model %s v%s with %s", config.name, config.version,
              executor.engine.info.tag)
     return LoadedModel(config, executor)

@@ -60,7 +60,8 @@ class ModelConfig:
         output_name: The engine output with per-class probabilities, ``float32[batch, classes]``.
         request_shape: Shape of a request tensor, e.g. ``(8, 8)``.
         request_dtypes: dtypes a request tensor may have.
-        scale / offset: Pre-processing ``x.astype(input_dtype) * scale + offset``.
+        scale / offset: Pre-processing ``x.astype(input_dtype) * scale + offset`` (metadata
+            ``preprocessing``, optional: default 1 and 0).
         metadata: The whole metadata document.
         allow_non_finite: Whether NaN/±Inf may reach the engine (metadata
             ``request.allow_non_finite``, default false).
@@ -112,8 +113,8 @@ class ModelConfig:
                 output_name=meta["output"]["name"],
                 request_shape=tuple(meta["request"]["shape"]),
                 request_dtypes=frozenset(meta["request"]["dtypes"]),
-                scale=float(meta["preprocessing"].get("scale", 1.0)),
-                offset=float(meta["preprocessing"].get("offset", 0.0)),
+                scale=float(meta.get("preprocessing", {}).get("scale", 1.0)),
+                offset=float(meta.get("preprocessing", {}).get("offset", 0.0)),
                 metadata=meta,
                 allow_non_finite=_strict_bool(meta["request"].get("allow_non_finite", False)),
                 image=image,

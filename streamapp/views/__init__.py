@@ -57,7 +57,7 @@ ENDPOINTS: tuple[tuple[str, str, str, str], ...] = (
      "`status: unreachable`."),
     ("POST", "/models/{name}/load", "`version` (default the highest in the repository), "
      "`keep` (`false`, `true`: keep the previous version loaded for requests that pin it)",
-     "Hot swap on every worker of the group (docs/models.md): each worker loads the version, "
+     "Hot swap on every worker of the group (docs/versions.md): each worker loads the version, "
      "runs a warm-up batch and the samples its metadata declares; only when all succeeded does "
      "each switch, between two batches. 200 `{model, version, status: serving, workers}`. "
      "Refused (the old version keeps serving everywhere): 404 `version_not_found` / "

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from bench.profile import summarize
+from bench.profile import describe, summarize
 from bench.report import format_report, format_scaleout, ratios, scaleout_targets
 from bench.scaleout import SCALE_PROFILES, limiting, run_scaleout, summarize_series
 from bench.workloads import result_parse, workload
@@ -31,15 +31,20 @@ def test_profile_attributes_samples_to_the_innermost_known_package(tmp_path: Pat
     assert summary["main_by_group"] == {"streamapp": 30.0, "aiokafka": 20.0, "asyncio": 10.0}
     assert summary["ours_pct"] == 30.0
     assert summary["threads"]["cuda-pack_0"] == 5.0
+    line = describe(summary)
+    assert line.startswith("event-loop thread busy 60 %; streamapp 30 %, aiokafka 20 %")
+    assert "_emit (agents/pipeline.py) 30.0 %" in line and "cuda-pack_0 5 %" in line
+    assert describe({"skipped": "py-spy not installed"}) == "py-spy not installed"
 
 
 def test_result_parse_recovers_the_request_ts() -> None:
     value = encode_result({"request_id": "r", "ts": 1_800_000_000.25, "e2e_ms": 250.0,
-                           "batch_size": 7}, "json")
+                           "queue_ms": 12.5, "infer_ms": 3.0, "batch_size": 7}, "json")
 
-    ts, size = result_parse(value)
+    ts, size, stages = result_parse(value)
 
     assert ts == pytest.approx(1_800_000_000.0) and size == 7
+    assert stages == (12.5, 3.0, 250.0)
 
 
 def test_digits_payload_is_a_valid_request() -> None:

@@ -73,3 +73,17 @@ def test_a_bad_model_version_is_wrong_type(bad: object) -> None:
     with pytest.raises(InvalidRequestError) as exc:
         decode_request(json.dumps(body).encode())
     assert exc.value.reason == "wrong_type" and "model_version" in str(exc.value)
+
+
+def test_models_check_takes_version_folders(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from streamapp.cli import cli
+    from streamapp.models.check import check_model
+
+    root = make_digits_versions(tmp_path, versions=(1, 2))
+    assert check_model(root / "digits" / "2", backend="onnxruntime", max_batch_size=8).ok
+    done = CliRunner().invoke(cli, ["models", "check", str(root), "--backend", "onnxruntime"])
+    assert done.exit_code == 0, done.output
+    assert "digits v1 (" in done.output and "digits v2 (" in done.output
+    assert f"--models-dir {root} --models digits serves them" in done.output

@@ -164,3 +164,19 @@ def test_engines_without_stream_support_are_refused() -> None:
         CudaExecutor(FakeEngine())  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="streams"):
         CudaExecutor(CopyEngine(), streams=0)
+
+
+@pytest.mark.parametrize("inline_pack_bytes", [0, 1 << 30])
+async def test_batches_packed_on_the_loop_or_in_a_pool_thread_give_the_same_outputs(
+    inline_pack_bytes: int,
+) -> None:
+    # 0: every batch crosses to a pack thread; 1 GiB: every batch is packed on the event loop
+    engine = AffineEngine(max_batch=8)
+    async with CudaExecutor(engine, streams=2, depth=2,
+                            inline_pack_bytes=inline_pack_bytes) as ex:
+        batches = [items(1 + k % 8, start=10 * k) for k in range(10)]
+        outs = await asyncio.gather(*(ex.run(b) for b in batches))
+        with pytest.raises(InputSpecError):
+            await ex.run([{"x": np.zeros(3, np.float64)}])
+    for batch, out in zip(batches, outs, strict=True):
+        np.testing.assert_array_equal(out["y"], engine.expected(_x(batch)))

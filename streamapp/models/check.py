@@ -1,0 +1,314 @@
+"""``streamapp models check``: is a model folder servable, and which requests will it accept?
+
+A folder is checked the way a worker would use it: ``metadata.json`` is read field by field (one
+problem per missing or bad field, not just the first), the model file is loaded with the chosen
+backend, the metadata's IO tensors are compared with the engine's (name, dtype, shape, a dynamic
+batch dimension, one score per label), and one batch of zeros — and, for image models, one
+blank image through the image pre-processing — runs through the engine. The walk-through that
+uses it is docs/models.md.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from engines.base import DYNAMIC, Engine, TensorSpec, format_shape
+from engines.exceptions import EngineError
+from engines.registry import load_engine, load_first
+from streamapp.codecs import ALLOWED_DTYPES
+from streamapp.exceptions import StreamAppError
+from streamapp.models.repository import ModelConfig
+from streamapp.records import InferenceRequest
+
+__all__ = ["ModelCheck", "check_model", "engine_problems", "format_check"]
+
+#: Fields every ``metadata.json`` needs: dotted path → what it must be.
+_REQUIRED: dict[str, str] = {
+    "name": "the model's name, a string (the requests' `model` field)",
+    "labels": "a list of class labels, index = output column",
+    "input.name": "the engine input's name, a string",
+    "input.dtype": "the engine input's dtype, e.g. \"float32\"",
+    "input.shape": "the engine input's shape with -1 for the batch, e.g. [-1, 64]",
+    "output.name": "the name of the engine output with one score per label",
+    "request.shape": "the shape of a request tensor, e.g. [8, 8]",
+    "request.dtypes": "the dtypes a request tensor may have, e.g. [\"float32\"]",
+}
+
+
+@dataclass
+class ModelCheck:
+    """What :func:`check_model` found.
+
+    Attributes:
+        directory: The model folder.
+        problems: One line per problem (empty: the folder is servable).
+        config: The parsed metadata, or None when it could not be read.
+        engine_tag: ``backend-version:sha256[:8]`` of the loaded engine (the results' ``engine``),
+            or None when it did not load.
+        engine_line: Device, precision and max batch of the loaded engine.
+        inputs / outputs: The engine's IO tensors.
+    """
+
+    directory: Path
+    problems: list[str] = field(default_factory=list)
+    config: ModelConfig | None = None
+    engine_tag: str | None = None
+    engine_line: str = ""
+    inputs: tuple[TensorSpec, ...] = ()
+    outputs: tuple[TensorSpec, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def _get(meta: dict[str, Any], dotted: str) -> Any:
+    value: Any = meta
+    for key in dotted.split("."):
+        if not isinstance(value, dict) or key not in value:
+            return None
+        value = value[key]
+    return value
+
+
+def _field_problems(meta: dict[str, Any]) -> list[str]:
+    """One line per required field that is missing or of the wrong kind."""
+    problems = []
+    for dotted, what in _REQUIRED.items():
+        if _get(meta, dotted) is None:
+            problems.append(f"metadata.json has no {dotted!r}: {what}")
+    labels = meta.get("labels")
+    if labels is not None and (not isinstance(labels, list) or not labels
+                               or not all(isinstance(x, str) for x in labels)):
+        problems.append("metadata.json 'labels' must be a non-empty list of strings")
+    for dotted in ("input.shape", "request.shape"):
+        shape = _get(meta, dotted)
+        if shape is not None and (not isinstance(shape, list) or not all(
+                isinstance(d, int) and not isinstance(d, bool) for d in shape)):
+            problems.append(f"metadata.json {dotted!r} must be a list of integers, got {shape!r}")
+    dtypes = _get(meta, "request.dtypes")
+    if dtypes is not None:
+        unknown = [d for d in dtypes if d not in ALLOWED_DTYPES] if isinstance(
+            dtypes, list) else [dtypes]
+        if unknown or not dtypes:
+            problems.append(
+                f"metadata.json 'request.dtypes' must list dtypes of "
+                f"{', '.join(sorted(ALLOWED_DTYPES))}; got {dtypes!r}"
+            )
+    dtype = _get(meta, "input.dtype")
+    if dtype is not None:
+        try:
+            np.dtype(dtype)
+        except TypeError:
+            problems.append(f"metadata.json 'input.dtype' {dtype!r} is not a dtype name")
+    return problems
+
+
+def _spec(spec: TensorSpec) -> str:
+    return f"{spec.name} {spec.dtype}{format_shape(spec.shape)}"
+
+
+def engine_problems(config: ModelConfig, engine: Engine) -> list[str]:
+    """Where a model's metadata and its loaded engine disagree, one line each.
+
+    Args:
+        config: The model's metadata.
+        engine: The model's file loaded by a backend.
+
+    Returns:
+        Problems (empty: a worker can feed the engine what the metadata promises): the input's
+        name, dtype, rank and static dimensions, a dynamic batch dimension, a request shape with
+        as many values as an engine item, and an output with one score per label.
+    """
+    problems = []
+    specs = {s.name: s for s in engine.inputs}
+    names = ", ".join(_spec(s) for s in engine.inputs)
+    if len(engine.inputs) != 1:
+        problems.append(f"the model has {len(engine.inputs)} inputs ({names}); streamapp feeds "
+                        "exactly one")
+    spec = specs.get(config.input_name)
+    if spec is None:
+        problems.append(f"input.name {config.input_name!r} is not an input of the model; its "
+                        f"inputs: {names}")
+    else:
+        if spec.dtype != config.input_dtype:
+            problems.append(f"input.dtype {config.input_dtype} differs from the model's input "
+                            f"{_spec(spec)}")
+        pairs = zip(config.input_shape, spec.shape, strict=False)
+        if len(spec.shape) != len(config.input_shape) or any(
+                want not in (DYNAMIC, got) for got, want in pairs):
+            problems.append(f"input.shape {list(config.input_shape)} does not fit the model's "
+                            f"input {_spec(spec)}")
+        elif spec.shape[0] != DYNAMIC:
+            problems.append(f"the model's input {_spec(spec)} has a fixed batch dimension; "
+                            "export it with a dynamic one (torch.onnx.export dynamic_axes, "
+                            "or a None first dimension)")
+    item = config.item_shape
+    if any(d < 0 for d in item):
+        problems.append(f"input.shape {list(config.input_shape)}: only the batch dimension "
+                        "may be -1")
+    elif math.prod(item) != math.prod(config.request_shape):
+        problems.append(f"request.shape {list(config.request_shape)} holds "
+                        f"{math.prod(config.request_shape)} values, an input item "
+                        f"{list(item)} holds {math.prod(item)}")
+    outputs = {s.name: s for s in engine.outputs}
+    out = outputs.get(config.output_name)
+    if out is None:
+        problems.append(f"output.name {config.output_name!r} is not an output of the model; its "
+                        f"outputs: {', '.join(_spec(s) for s in engine.outputs)}")
+    elif len(out.shape) != 2 or out.shape[1] not in (DYNAMIC, len(config.labels)):
+        problems.append(f"output {_spec(out)} must be [batch, {len(config.labels)}]: one "
+                        f"score per label ({len(config.labels)} labels)")
+    return problems
+
+
+def _run_once(config: ModelConfig, engine: Engine) -> list[str]:
+    """Run one batch of two zero items, and a blank image where the model takes images."""
+    items = [np.zeros(config.item_shape, dtype=config.input_dtype)] * 2
+    if config.image is not None:
+        kind = config.image.formats[0]
+        buffer = io.BytesIO()
+        try:
+            Image.new(config.image.mode, config.image.size).save(buffer, format=kind)
+        except (KeyError, ValueError, OSError) as exc:
+            return [f"a blank {kind} image cannot be made to try the image pre-processing "
+                    f"({type(exc).__name__}: {exc}); image.formats names Pillow formats, "
+                    "e.g. [\"PNG\", \"JPEG\"]"]
+        request = InferenceRequest("check", "check", 0, 0.0, config.name,
+                                   image=buffer.getvalue())
+        try:
+            items[1] = config.preprocess(request)
+        except StreamAppError as exc:
+            return [f"a blank {kind} image cannot be pre-processed: {exc}"]
+    try:
+        outputs = engine.infer({config.input_name: np.stack(items)})
+    except EngineError as exc:
+        return [f"a batch of 2 zero inputs failed in the engine: {exc}"]
+    scores = np.asarray(outputs[config.output_name])
+    if scores.shape != (2, len(config.labels)):
+        return [f"output {config.output_name!r} of a batch of 2 has shape {list(scores.shape)}, "
+                f"not [2, {len(config.labels)}] (one score per label)"]
+    return []
+
+
+def check_model(directory: Path, *, backend: str = "auto", max_batch_size: int = 32) -> ModelCheck:
+    """Check one model folder as a worker would load it.
+
+    Args:
+        directory: A folder with ``metadata.json`` and the model file it names.
+        backend: Engine backend (a registry name or ``auto``, as the worker's setting).
+        max_batch_size: The worker's ``max_batch_size`` (the engine is loaded for it).
+
+    Returns:
+        The findings; ``problems`` is empty when a worker can serve the model. Never raises for
+        a bad folder, file or backend: each is a problem line.
+    """
+    result = ModelCheck(directory)
+    meta_path = directory / "metadata.json"
+    if not meta_path.is_file():
+        if not directory.is_dir():
+            result.problems.append(
+                "no such folder; a model repository holds one folder per model, named as in "
+                "STREAMAPP_MODELS (docs/models.md; TensorRT plans: docs/deployment.md)")
+        else:
+            inside = sorted(p.parent.name for p in directory.glob("*/metadata.json"))
+            hint = f"; it holds the models {', '.join(inside)}: check a folder of those" \
+                if inside else ""
+            result.problems.append(f"no metadata.json in the folder{hint} (docs/models.md)")
+        return result
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        result.problems.append(f"metadata.json is not valid JSON: {exc}")
+        return result
+    if not isinstance(meta, dict):
+        result.problems.append("metadata.json must hold one JSON object")
+        return result
+    result.problems += _field_problems(meta)
+    if result.problems:
+        return result
+    try:
+        config = ModelConfig.from_dir(directory)
+    except StreamAppError as exc:
+        result.problems.append(str(exc).replace(f"{meta_path} is invalid: ", "metadata.json: "))
+        return result
+    result.config = config
+    # a version folder (NAME/<V>/, docs/versions.md) is named by its model's folder
+    folder = directory.parent if directory.name.isdigit() else directory
+    if config.name != folder.name:
+        result.problems.append(
+            f"name {config.name!r} differs from the folder's name {folder.name!r}: a worker "
+            "finds a model by its folder; rename one of them")
+    if not config.path.is_file():
+        result.problems.append(f"no model file {config.path.name!r} in the folder (metadata "
+                               "'file', default model.onnx)")
+        return result
+
+    def load(name: str) -> Engine:
+        return load_engine(name, config.path, max_batch_size=max_batch_size,
+                           **config.engine_options(name))
+
+    try:
+        engine = load_first(backend, load)
+    except (EngineError, StreamAppError) as exc:
+        result.problems.append(f"{config.path.name} does not load with backend {backend!r}: {exc}")
+        return result
+    with engine:
+        info = engine.info
+        result.engine_tag = info.tag
+        result.engine_line = f"{info.device}, {info.precision}, max batch {info.max_batch_size}"
+        result.inputs, result.outputs = engine.inputs, engine.outputs
+        result.problems += engine_problems(config, engine)
+        if not result.problems:
+            result.problems += _run_once(config, engine)
+    return result
+
+
+def format_check(check: ModelCheck, *, top_k: int = 3) -> list[str]:
+    """The report of a check that passed: what a worker serves and which requests it takes.
+
+    Args:
+        check: A result of :func:`check_model` without problems.
+        top_k: The worker's ``top_k`` setting (labels per result).
+
+    Returns:
+        Lines without newlines, at most about 100 columns.
+    """
+    config = check.config
+    assert config is not None
+    lines = [
+        f"model     {config.name} v{config.version} ({config.path})",
+        f"engine    {check.engine_tag} on {check.engine_line}",
+        *(f"input     {_spec(s)}" for s in check.inputs),
+        *(f"output    {_spec(s)}{'  <- scores' if s.name == config.output_name else ''}"
+          for s in check.outputs),
+        f"tensor    {' or '.join(sorted(config.request_dtypes))} {list(config.request_shape)}"
+        + (f", values {config.value_range[0]:g} to {config.value_range[1]:g}"
+           if config.value_range else "")
+        + ("" if config.allow_non_finite else ", finite")
+        + f" -> {config.input_name} {config.input_dtype}{list(config.item_shape)}"
+        + ("" if (config.scale, config.offset) == (1.0, 0.0)
+           else f" = x * {config.scale:g} + {config.offset:g}"),
+    ]
+    image = config.image
+    if image is None:
+        lines.append("image     no (tensor requests only; an \"image\" object adds them)")
+    else:
+        width, height = image.size
+        lines.append(f"image     {' or '.join(image.formats)} -> {image.mode} {width}x{height} "
+                     f"({image.resample}), pixel * {image.scale:g} + {image.offset:g}, "
+                     f"up to {image.max_pixels} pixels")
+    labels = " ".join(config.labels) if len(config.labels) <= 12 else (
+        " ".join(config.labels[:10]) + " ...")
+    lines.append(f"labels    {len(config.labels)}: {labels}")
+    lines.append(f"result    outputs.top_k: the {min(top_k, len(config.labels))} best labels "
+                 "with scores (STREAMAPP_TOP_K)")
+    return lines
