@@ -180,7 +180,8 @@ async def test_the_models_page_from_an_onnx_file_to_answers(
     sample = blocks["tail"].splitlines()
     assert lines[0] == sample[0] == RESULT_HEADER and len(lines) == len(sample) == 1 + 5
     for line, shown in zip(lines[1:], sample[1:], strict=True):
-        device, seq, model, engine, top, _score, _e2e = line.split()
+        device, seq, model, version, engine, top, _score, _e2e = line.split()
         assert model == "digits-logreg" == shown.split()[2]
+        assert version == "v1" == shown.split()[3]  # the flat folder is version 1
         assert engine.endswith(":" + session_hash(onnx_file)[:8]) and len(line) == len(shown)
         assert top == (image_answer[0] if device == "camera-1" else offline[device][int(seq)])
