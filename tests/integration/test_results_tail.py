@@ -56,8 +56,9 @@ def shown(lines: list[str]) -> set[tuple[str, int, str]]:
     """(device, seq, label) of result lines; every line must be a result in 80 columns."""
     out = set()
     for line in lines:
-        device, seq, model, engine, label, score, e2e = line.split()
+        device, seq, model, version, engine, label, score, e2e = line.split()
         assert len(line) <= 79 and model == "digits" and engine.startswith("onnxruntime-")
+        assert version == "v1"  # the bundled model's one version
         assert 0 < float(score) <= 1 and float(e2e) >= 0
         out.add((device, int(seq), label))
     return out
