@@ -239,7 +239,13 @@ def worker(
         facts = cluster_facts(settings)
         plan = plan_partitions(settings, facts.partitions)
         notes = list(plan.notes)
-        settings = settings.model_copy(update={"topic_partitions": plan.partitions})
+        update: dict[str, Any] = {"topic_partitions": plan.partitions}
+        if processes is None and settings.web_port == 0:  # a single worker: pick it now
+            from streamapp.children import free_port
+
+            update["web_port"] = free_port(settings.web_bind)
+            notes.append(f"web port 0: this worker serves on port {update['web_port']}")
+        settings = settings.model_copy(update=update)
         # Window sizes are fixed for a deployment: refuse others than the stored state's.
         from streamapp.tables.stored_windows import check_stored_windows
 
