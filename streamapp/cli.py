@@ -212,7 +212,7 @@ def worker(
         resolve_broker_kind,
     )
     from streamapp.partitions import plan_partitions
-    from streamapp.settings import load_settings
+    from streamapp.settings import load_settings, web_token
 
     _check_port(web_port, "--web-port", free="a free port")
     flags: dict[str, Any] = dict(
@@ -227,6 +227,7 @@ def worker(
     try:
         settings = resolve_broker_kind(load_settings(**flags))
         bootstrap = settings.bootstrap_servers
+        web_token(settings)  # an unusable web_token_file: one line now, not in every child
         if processes is None:
             use_event_loop(settings.event_loop)
         # One process per data directory (RocksDB): fail here, before joining the group.
@@ -724,23 +725,25 @@ def status(
 ) -> None:
     """Terminal view of workers: throughput, DLQ rate, p50/p99, batch size, lag, top devices.
 
+    Sends the web token (STREAMAPP_WEB_TOKEN or STREAMAPP_WEB_TOKEN_FILE) when one is set.
     Exits 1 when a worker is unreachable or not ready (without --watch).
     """
-    from streamapp.settings import load_settings
+    from streamapp.settings import load_settings, web_token
     from streamapp.status import run_status, supervised_urls
 
     restarts = supervisor_dir = None
+    try:
+        current = load_settings(data_dir=data_dir)
+        token = web_token(current)
+    except StreamAppError as exc:
+        raise _fail(str(exc)) from None
     if not urls:
-        try:
-            current = load_settings(data_dir=data_dir)
-        except StreamAppError as exc:
-            raise _fail(str(exc)) from None
         restarts = supervised_urls(current.data_dir)
         supervisor_dir = current.data_dir if restarts else None
         urls = list(restarts) if restarts else [f"http://127.0.0.1:{current.web_port}"]
     raise typer.Exit(run_status(urls, interval_s=interval, watch=watch, top=top,
                                 discover_peers=discover, restarts=restarts,
-                                supervisor_dir=supervisor_dir))
+                                supervisor_dir=supervisor_dir, token=token))
 
 
 def main() -> None:
