@@ -14,7 +14,7 @@ import typer
 from aiokafka.errors import KafkaConnectionError, KafkaError
 
 from engines.exceptions import EngineError
-from streamapp.exceptions import ConfigError, PublishError, StreamAppError
+from streamapp.exceptions import ConfigError, PublishError, SecurityError, StreamAppError
 from streamapp.settings import Settings
 
 __all__ = ["cli", "main"]
@@ -62,9 +62,21 @@ def _unreachable(bootstrap: str, exc: BaseException) -> str:
     )
 
 
-def _error_line(exc: BaseException, bootstrap: str) -> str:
+def _error_line(exc: BaseException, bootstrap: str, settings: Any = None) -> str:
     """The one line every command prints for a failure: a Kafka client error, or one of ours
-    that a broker which did not answer caused, as :func:`_unreachable` words it; ours else."""
+    that a broker which did not answer caused, as :func:`_unreachable` words it; ours else.
+    A refused login, certificate or ACL says which (:class:`SecurityError`; with
+    ``settings``, a Kafka client error is looked into:
+    :func:`streamapp.kafka.connection_error`)."""
+    if isinstance(exc, SecurityError):
+        return str(exc)
+    client_error = exc if isinstance(exc, KafkaError) else exc.__cause__
+    if settings is not None and isinstance(client_error, KafkaError):
+        from streamapp.kafka import connection_error
+
+        found = connection_error(settings, client_error, "")
+        if isinstance(found, SecurityError):
+            return str(found)
     if isinstance(exc, KafkaError):
         return _unreachable(bootstrap, exc)
     if isinstance(exc.__cause__, KafkaConnectionError) and not isinstance(exc, PublishError):
@@ -356,7 +368,7 @@ def publish(
             )
         )
     except (StreamAppError, KafkaError) as exc:
-        raise _fail(_error_line(exc, settings.bootstrap_servers)) from None
+        raise _fail(_error_line(exc, settings.bootstrap_servers, settings)) from None
     span = sent[-1].sent_at - sent[0].sent_at if len(sent) > 1 else 0.0
     typer.echo(
         f"published {len(sent)} frames from {devices} devices to {settings.request_topic} "
@@ -484,13 +496,13 @@ async def _print_tail(
                 show([entry], False)
 
 
-def _run_tail(bootstrap: str, run: Callable[[], Coroutine[Any, Any, None]]) -> None:
+def _run_tail(settings: Any, run: Callable[[], Coroutine[Any, Any, None]]) -> None:
     """``asyncio.run(run())`` with our errors as one line, and Ctrl-C as a clean end."""
     _quiet_kafka_client()
     try:
         asyncio.run(run())
     except (StreamAppError, KafkaError) as exc:
-        raise _fail(_error_line(exc, bootstrap)) from None
+        raise _fail(_error_line(exc, settings.bootstrap_servers, settings)) from None
     except KeyboardInterrupt:
         pass
 
@@ -544,7 +556,7 @@ def dlq_tail(
                 limit=limit, follow=follow, show=show, summary=summary,
             )
 
-    _run_tail(settings.bootstrap_servers, run)
+    _run_tail(settings, run)
 
 
 @dlq_cli.command("replay")
@@ -661,7 +673,7 @@ def results_tail(
                 limit=limit, follow=follow, show=show, summary=summary,
             )
 
-    _run_tail(settings.bootstrap_servers, run)
+    _run_tail(settings, run)
 
 
 # -- tables (streamapp.rebuild) -----------------------------------------------------------------
