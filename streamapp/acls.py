@@ -30,6 +30,8 @@ from typing import Any
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError, for_code
 from aiokafka.protocol.admin import CreateAclsRequest
+from aiokafka.protocol.api import Request, RequestStruct, Response
+from aiokafka.protocol.types import Array, Boolean, Int16, Int32, Schema, String
 
 from streamapp.exceptions import BrokerError
 from streamapp.kafka import describe_error
@@ -40,6 +42,7 @@ __all__ = [
     "Operation",
     "PatternType",
     "ResourceType",
+    "check_worker_acls",
     "create_acls",
     "kafka_acls_commands",
     "publisher_acls",
@@ -176,6 +179,117 @@ async def create_acls(
         ) from exc
     finally:
         await admin.close()
+
+
+# -- what a user may do: Metadata v8's authorized operations (KIP-430) -------------------------
+# aiokafka's MetadataRequest stops at v5; v8 adds each topic's authorized operations as a bit
+# field (bit n set: AclOperation code n allowed).
+
+_PARTITION = Array(
+    ("error_code", Int16), ("partition", Int32), ("leader", Int32), ("leader_epoch", Int32),
+    ("replicas", Array(Int32)), ("isr", Array(Int32)), ("offline_replicas", Array(Int32)),
+)
+
+
+class _MetadataResponseV8(Response):
+    API_KEY = 3
+    API_VERSION = 8
+    SCHEMA = Schema(
+        ("throttle_time_ms", Int32),
+        ("brokers", Array(("node_id", Int32), ("host", String("utf-8")), ("port", Int32),
+                          ("rack", String("utf-8")))),
+        ("cluster_id", String("utf-8")),
+        ("controller_id", Int32),
+        ("topics", Array(("error_code", Int16), ("topic", String("utf-8")),
+                         ("is_internal", Boolean), ("partitions", _PARTITION),
+                         ("topic_authorized_operations", Int32))),
+        ("cluster_authorized_operations", Int32),
+    )
+
+
+class _MetadataRequestV8(RequestStruct):
+    API_KEY = 3
+    API_VERSION = 8
+    RESPONSE_TYPE = _MetadataResponseV8
+    SCHEMA = Schema(
+        ("topics", Array(String("utf-8"))), ("allow_auto_topic_creation", Boolean),
+        ("include_cluster_authorized_operations", Boolean),
+        ("include_topic_authorized_operations", Boolean),
+    )
+
+
+class _AuthorizedOperations(Request[_MetadataRequestV8]):
+    API_KEY = 3
+
+    def __init__(self, topics: Sequence[str]) -> None:
+        self._topics = list(topics)
+
+    def build(self, request_struct_class: type[_MetadataRequestV8]) -> _MetadataRequestV8:
+        return request_struct_class(self._topics, False, False, True)
+
+
+#: What Kafka answers for authorized operations it was not asked for or cannot tell.
+_UNKNOWN_OPERATIONS = -(2**31)
+
+
+def _needs(acls: Iterable[Acl], topics: Iterable[str]) -> dict[str, set[Operation]]:
+    """Topic -> operations ``acls`` grant on it (literal names, and prefixed ones for each of
+    ``topics`` they match)."""
+    needs: dict[str, set[Operation]] = {}
+    names = list(topics)
+    for acl in acls:
+        if acl.resource is not ResourceType.TOPIC:
+            continue
+        matched = [acl.name] if acl.pattern is PatternType.LITERAL else [
+            n for n in names if n.startswith(acl.name)]
+        for name in matched:
+            needs.setdefault(name, set()).add(acl.operation)
+    return needs
+
+
+async def check_worker_acls(
+    settings: Settings, changelogs: Sequence[str], *, security: Mapping[str, Any],
+    timeout_s: float = 15.0,
+) -> None:
+    """Refuse to start a worker whose user may not do on its topics what
+    :func:`worker_acls` lists, naming the first missing operation (the broker would
+    otherwise refuse its produce requests one by one while it keeps reading).
+
+    Asks the broker for the user's authorized operations on each topic (Metadata v8,
+    KIP-430); a broker that cannot tell (no authorizer, an older protocol) passes.
+
+    Raises:
+        SecurityError: An operation is missing (one line: user, operation, topic, the fix).
+    """
+    from aiokafka.client import AIOKafkaClient
+
+    from streamapp.exceptions import SecurityError
+
+    needs = _needs(worker_acls(settings, settings.sasl_username), changelogs)
+    client = AIOKafkaClient(bootstrap_servers=settings.bootstrap_servers,
+                            request_timeout_ms=int(timeout_s * 1000), **security)
+    try:
+        async with asyncio.timeout(timeout_s):
+            await client.bootstrap()
+            response = await client.send(client.get_random_node(),
+                                         _AuthorizedOperations(sorted(needs)))
+    except (KafkaError, OSError, TimeoutError, NotImplementedError):
+        return  # the broker cannot say: the produce path reports what it refuses
+    finally:
+        await client.close()
+    for topic in response.to_object()["topics"]:
+        name, allowed = topic["topic"], topic["topic_authorized_operations"]
+        if topic["error_code"] == 0 and allowed == _UNKNOWN_OPERATIONS:
+            continue
+        granted = set() if topic["error_code"] else {
+            op for op in Operation if allowed & (1 << op.value)}
+        missing = sorted(needs.get(name, set()) - granted)
+        if missing:
+            raise SecurityError(
+                f"the broker does not allow user {settings.sasl_username!r} to "
+                f"{' and '.join(op.name for op in missing)} topic {name!r}, which a worker "
+                "needs: grant it the worker ACLs docs/deployment.md lists (streamapp.acls)"
+            )
 
 
 def kafka_acls_commands(acls: Sequence[Acl], bootstrap: str = "<broker:9093>") -> list[str]:

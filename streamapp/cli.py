@@ -117,14 +117,21 @@ def broker(
         "instead of the embedded broker.")] = False,
     data_dir: Annotated[Optional[Path], typer.Option(
         help="With --kafka: keep the data here (default: a temporary directory).")] = None,
+    secure: Annotated[bool, typer.Option(
+        "--secure", help="With --kafka: a SASL_SSL listener (SCRAM-SHA-512, a CA made for "
+        "the run), the StandardAuthorizer, users admin, worker and publisher with the ACLs of "
+        "docs/deployment.md, and the topics of STREAMAPP_APP_ID; each user's settings are "
+        "written to <data dir>/client-<user>.env (mode 0600).")] = False,
 ) -> None:
     """Run the embedded Kafka-compatible broker (Tansu), or Apache Kafka with --kafka, on
     127.0.0.1 until Ctrl-C; prints "bootstrap: HOST:PORT"."""
     _check_port(port)
+    if secure and not kafka:
+        raise _fail("--secure needs --kafka (the embedded broker has no TLS or SASL)", 2)
     if kafka:
         from streamapp.kafka_server import run_kafka_forever
 
-        raise typer.Exit(run_kafka_forever(port, data_dir))
+        raise typer.Exit(run_kafka_forever(port, data_dir, secure=secure))
     if data_dir is not None:
         raise _fail("--data-dir needs --kafka (the embedded broker keeps data in memory)", 2)
     from streamapp.broker import run_broker_forever
@@ -222,6 +229,7 @@ def worker(
         create_topics,
         kafka_security_options,
         resolve_broker_kind,
+        run_sync,
     )
     from streamapp.partitions import plan_partitions
     from streamapp.settings import load_settings, web_token
@@ -281,6 +289,12 @@ def worker(
             configs={name: {"cleanup.policy": "compact", **settings.changelog_topic_configs}
                      for name in changelogs},
         )
+        if settings.security_protocol.startswith("SASL_") and settings.broker_kind == "kafka":
+            from streamapp.acls import check_worker_acls
+
+            # a missing ACL: one line now, not produce errors while the worker keeps reading
+            run_sync(lambda: check_worker_acls(
+                settings, changelogs, security=kafka_security_options(settings)))
     except (StreamAppError, EngineError) as exc:
         raise _fail(_error_line(exc, bootstrap)) from None
     logging.getLogger("aiokafka").setLevel(aiokafka_level)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import json
 import os
 import secrets
 import ssl
@@ -38,7 +39,9 @@ __all__ = [
     "SCRAM_MECHANISM",
     "BrokerSecurity",
     "PkiFiles",
+    "load_security",
     "make_pki",
+    "secure_setup",
 ]
 
 #: The super user: the broker between its nodes, and the admin client of the tests and tools.
@@ -274,3 +277,77 @@ class BrokerSecurity:
 
     def __repr__(self) -> str:  # no passwords
         return f"BrokerSecurity(users={sorted(self.users)}, pki={self.pki})"
+
+
+#: Users ``streamapp broker --kafka --secure`` creates besides the admin.
+CLI_USERS = ("worker", "publisher")
+_SAVED = "security.json"
+
+
+def load_security(data_dir: Path | None) -> BrokerSecurity:
+    """The users of ``streamapp broker --kafka --secure``: those saved in ``data_dir`` by an
+    earlier run (their SCRAM credentials are in its formatted storage), else new random ones.
+
+    Raises:
+        BrokerError: The saved file cannot be read.
+    """
+    saved = data_dir / _SAVED if data_dir is not None else None
+    if saved is not None and saved.is_file():
+        try:
+            fields = json.loads(saved.read_text())
+            return BrokerSecurity(users=fields["users"], admin_password=fields["admin"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise BrokerError(
+                f"{saved} cannot be read ({type(exc).__name__}); the broker's SCRAM users are "
+                "in it: restore it, or start with a new --data-dir"
+            ) from None
+    return BrokerSecurity(users={u: secrets.token_urlsafe(18) for u in CLI_USERS})
+
+
+def secure_setup(kafka: Any) -> dict[str, Path]:
+    """After a secured broker started: save its users (``security.json``), create the topics of
+    the configured app (``STREAMAPP_APP_ID``, ``STREAMAPP_TOPIC_PREFIX``), grant the worker and
+    publisher ACLs, and write each user's client settings to ``client-<user>.env`` (all mode
+    0600) in the broker's data directory.
+
+    Returns:
+        User -> its ``.env`` file.
+
+    Raises:
+        BrokerError: The topics or ACLs could not be created, or the settings are invalid.
+    """
+    from streamapp.acls import create_acls, publisher_acls, worker_acls
+    from streamapp.exceptions import StreamAppError
+    from streamapp.kafka import create_topics, run_sync
+    from streamapp.partitions import TABLE_NAMES, changelog_topic
+    from streamapp.settings import load_settings
+
+    security: BrokerSecurity = kafka.security
+    directory: Path = kafka.data_dir
+    try:
+        settings = load_settings()
+    except StreamAppError as exc:
+        raise BrokerError(str(exc)) from None
+    _write_private(directory / _SAVED, json.dumps(
+        {"users": dict(security.users), "admin": security.admin_password}).encode())
+    admin = security.client_options()
+    changelogs = [changelog_topic(settings.app_id, t) for t in TABLE_NAMES]
+    create_topics(
+        kafka.bootstrap_servers,
+        dict.fromkeys([*settings.topics, *changelogs], settings.topic_partitions),
+        security=admin,
+        configs={n: {"cleanup.policy": "compact", **settings.changelog_topic_configs}
+                 for n in changelogs},
+    )
+    run_sync(lambda: create_acls(
+        kafka.bootstrap_servers,
+        worker_acls(settings, "worker") + publisher_acls(settings, "publisher"),
+        security=admin))
+    files = {}
+    for user in (ADMIN_USER, *security.users):
+        given = {"broker": kafka.url, **security.client_settings(user)}
+        path = directory / f"client-{user}.env"
+        _write_private(path, "".join(
+            f"STREAMAPP_{k.upper()}={v}\n" for k, v in given.items()).encode())
+        files[user] = path
+    return files

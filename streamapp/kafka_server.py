@@ -694,7 +694,7 @@ async def _count_brokers(host: str, port: int, security: Mapping[str, Any]) -> i
         await client.close()
 
 
-def run_kafka_forever(port: int | None, data_dir: Path | None) -> int:
+def run_kafka_forever(port: int | None, data_dir: Path | None, *, secure: bool = False) -> int:
     """Run a single-node Apache Kafka in the foreground until SIGINT or SIGTERM (CLI entry).
 
     Prints ``bootstrap: HOST:PORT`` on stdout and a hint on stderr, then blocks.
@@ -702,6 +702,9 @@ def run_kafka_forever(port: int | None, data_dir: Path | None) -> int:
     Args:
         port: Client port, or ``None`` for a free one.
         data_dir: Data directory to keep (and reuse), or ``None`` for a temporary one.
+        secure: SASL_SSL with ACLs (:func:`streamapp.kafka_security.secure_setup`): users
+            ``admin``, ``worker`` and ``publisher``, whose settings go to
+            ``<data dir>/client-<user>.env``; no password is printed.
 
     Returns:
         0 after a clean stop on a signal, 1 when the broker failed to start or died.
@@ -715,20 +718,33 @@ def run_kafka_forever(port: int | None, data_dir: Path | None) -> int:
     if threading.current_thread() is threading.main_thread():
         for stop_signal in (signal.SIGINT, signal.SIGTERM):
             previous[stop_signal] = signal.signal(stop_signal, _on_signal)
-    kafka = KafkaBroker(data_dir=data_dir, port=port)
+    from streamapp.kafka_security import load_security, secure_setup
+
+    try:
+        security = load_security(data_dir) if secure else None
+    except BrokerError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return 1
+    kafka = KafkaBroker(data_dir=data_dir, port=port, security=security)
     try:
         try:
             kafka.start()
+            env_files = secure_setup(kafka) if secure else {}
         except BrokerError as err:
             print(f"error: {err}", file=sys.stderr, flush=True)
             return 1
         print(f"bootstrap: {kafka.bootstrap_servers}", flush=True)
         where = f"data in {kafka.data_dir}" + ("" if data_dir else ", deleted on exit")
+        if env_files:
+            how = {user: f"env $(cat {path}) " for user, path in env_files.items()}
+            listener = "SASL_SSL + SCRAM-SHA-512 with ACLs, "
+        else:
+            how, listener = {}, ""
         print(
-            f"Apache Kafka {KAFKA_VERSION} (KRaft, pid {kafka.pid}, {where}, log "
+            f"Apache Kafka {KAFKA_VERSION} (KRaft, {listener}pid {kafka.pid}, {where}, log "
             f"{kafka.log_path}) ready in {kafka.startup_s:.1f} s. Ctrl-C stops it.\n"
-            f"  worker:    streamapp worker --broker {kafka.url}\n"
-            f"  publisher: streamapp publish --broker {kafka.url}",
+            f"  worker:    {how.get('worker', '')}streamapp worker --broker {kafka.url}\n"
+            f"  publisher: {how.get('publisher', '')}streamapp publish --broker {kafka.url}",
             file=sys.stderr, flush=True,
         )
         while not stop_requested.wait(0.5):

@@ -28,7 +28,7 @@ from typer.testing import CliRunner
 
 from engines.registry import PLUGINS_ENV
 from engines.testing import FAULTS_PLUGIN
-from streamapp.acls import create_acls, publisher_acls, worker_acls
+from streamapp.acls import Operation, create_acls, publisher_acls, worker_acls
 from streamapp.cli import cli
 from streamapp.client import collect_outcomes, load_digits_frames, publish_values
 from streamapp.codecs import encode_request
@@ -43,7 +43,7 @@ from streamapp.settings import load_settings
 pytestmark = [pytest.mark.kafka, pytest.mark.apache_kafka]
 
 PASSWORDS = {"worker": "wOrker-pw-7f3a9c", "publisher": "pUblisher-pw-2b8d1e",
-             "lacking": "lAcking-pw-5c6e0f"}
+             "lacking": "lAcking-pw-5c6e0f", "nowrite": "nOwrite-pw-9a1b2c"}
 APP = "secured"
 FLAKY = 15.5  # first-pixel marker of the faulty backend (tests/integration/test_failures.py)
 
@@ -62,6 +62,8 @@ def secured() -> Iterator[KafkaBroker]:
                       configs={n: {"cleanup.policy": "compact"} for n in changelogs})
         lacking = [a for a in worker_acls(settings, "lacking")
                    if a.name != settings.result_topic]
+        lacking += [a for a in worker_acls(settings, "nowrite")
+                    if (a.name, a.operation) != (settings.result_topic, Operation.WRITE)]
         run_sync(lambda: create_acls(
             kafka.bootstrap_servers,
             worker_acls(settings, "worker") + publisher_acls(settings, "publisher") + lacking,
@@ -176,6 +178,7 @@ def _other_ca(tmp_path: Path) -> Path:
         ("unknown_ca", "is not signed by a CA in ssl_cafile"),
         ("hostname", "does not name 'localhost'"),
         ("no_result_acl", "denied creating topics ['inference-result']"),
+        ("no_result_write", "does not allow user 'nowrite' to WRITE topic 'inference-result'"),
     ],
 )
 def test_a_worker_that_cannot_get_in_says_why_in_one_line(
@@ -188,8 +191,10 @@ def test_a_worker_that_cannot_get_in_says_why_in_one_line(
         changes = {"ssl_cafile": _other_ca(tmp_path)}
     elif change == "hostname":
         changes = {"broker": f"kafka://localhost:{secured.port}"}
-    else:
+    elif change == "no_result_acl":
         user = "lacking"
+    else:
+        user = "nowrite"
     env = {**_env(secured, user, **changes), "STREAMAPP_DATA_DIR": str(tmp_path / "d")}
 
     started = time.monotonic()
@@ -227,3 +232,10 @@ async def test_the_publisher_may_write_requests_but_not_read_results(
     assert result.exit_code == 1 and len(lines) == 1, result.output
     assert "denied user 'publisher' access to the topic" in lines[0], lines[0]
     assert PASSWORDS["publisher"] not in result.output
+
+
+def test_secure_needs_apache_kafka(runner: CliRunner) -> None:
+    result = runner.invoke(cli, ["broker", "--secure"])
+
+    assert result.exit_code == 2
+    assert "--secure needs --kafka" in result.output
