@@ -239,3 +239,12 @@ async def test_status_sends_the_token(client: TestClient[Any, Any]) -> None:
     assert "needs the web token" in without
     assert "web token" not in with_token and url.split("//")[1] in with_token
     assert TOKEN not in with_token
+
+
+def test_the_startup_log_says_a_token_is_required_never_which() -> None:
+    from streamapp.logs import startup_block
+
+    banner = startup_block(load_settings(web_token=TOKEN, web_open_paths="/health"), {})
+
+    assert "web token required, open: /health" in banner
+    assert TOKEN not in banner
