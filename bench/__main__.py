@@ -91,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
                              "side by side (transport and one worker)")
     secured.add_argument("--out", type=Path, default=Path("bench-results/security.json"))
     secured.add_argument("--requests", type=int, default=3000)
+    secured.add_argument("--records", type=int, default=50_000)
+    secured.add_argument("--rounds", type=int, default=2)
     report = sub.add_parser("report", help="print the report of a bench.json again")
     report.add_argument("json", type=Path)
     report.add_argument("--plots", type=Path, default=None, help="also redraw the PNGs here")
@@ -103,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         from bench.security import SecurityConfig
         from bench.security import main as security_main
 
-        return security_main(args.out, SecurityConfig(requests=args.requests))
+        return security_main(args.out, SecurityConfig(
+            requests=args.requests, records=args.records, rounds=args.rounds))
     if args.command == "report":
         results = json.loads(args.json.read_text())
         print(format_report(results))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import statistics
 import tempfile
 import time
 from dataclasses import dataclass
@@ -52,6 +53,8 @@ class SecurityConfig:
     #: Requests per second, and seconds, of the paced phase the latencies come from.
     paced_rate_per_s: float = 100.0
     paced_s: float = 10.0
+    #: Rounds of both listeners (ABBA order); the report gives each figure's median.
+    rounds: int = 2
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -144,23 +147,33 @@ async def _worker(kafka: KafkaBroker, listener: str, config: SecurityConfig,
 
 
 def run_security(config: SecurityConfig = SecurityConfig()) -> dict[str, Any]:
-    """Measure both listeners; returns ``{"config", "listeners": {name: figures},
-    "ratios": {figure: SASL_SSL / PLAINTEXT}}``.
+    """Measure both listeners ``config.rounds`` times; returns ``{"config", "rounds": [every
+    measurement], "listeners": {name: median figures}, "ratios": {figure: SASL_SSL /
+    PLAINTEXT}}``.
 
     Raises:
         streamapp.exceptions.BrokerError: A broker did not start (no Java, no jars).
     """
-    out: dict[str, Any] = {"config": config.__dict__, "listeners": {}}
+    out: dict[str, Any] = {"config": config.__dict__, "listeners": {}, "rounds": []}
+    for round_no in range(config.rounds):
+        # ABBA order: a load that drifts during the run weighs on both listeners alike
+        for listener in LISTENERS if round_no % 2 == 0 else LISTENERS[::-1]:
+            security = (BrokerSecurity(users={"worker": "bench-worker-pw", "publisher":
+                                              "bench-publisher-pw"})
+                        if listener == "SASL_SSL" else None)
+            with tempfile.TemporaryDirectory(prefix="bench-security-") as tmp, \
+                    KafkaBroker(security=security) as kafka:
+                admin = security.client_options() if security else {}
+                figures = asyncio.run(_transport(kafka, admin, config))
+                figures |= asyncio.run(_worker(kafka, listener, config, Path(tmp)))
+                out["rounds"].append({"listener": listener, **figures})
     for listener in LISTENERS:
-        security = (BrokerSecurity(users={"worker": "bench-worker-pw", "publisher":
-                                          "bench-publisher-pw"})
-                    if listener == "SASL_SSL" else None)
-        with tempfile.TemporaryDirectory(prefix="bench-security-") as tmp, \
-                KafkaBroker(security=security) as kafka:
-            admin = security.client_options() if security else {}
-            figures = asyncio.run(_transport(kafka, admin, config))
-            figures |= asyncio.run(_worker(kafka, listener, config, Path(tmp)))
-            out["listeners"][listener] = figures
+        runs = [r for r in out["rounds"] if r["listener"] == listener]
+        out["listeners"][listener] = {
+            key: statistics.median(r[key] for r in runs) if all(
+                r[key] is not None for r in runs) else None
+            for key in runs[0] if key != "listener"
+        }
     plain, secured = out["listeners"]["PLAINTEXT"], out["listeners"]["SASL_SSL"]
     out["ratios"] = {
         k: secured[k] / plain[k] for k in ("produce_per_s", "consume_per_s", "results_per_s",
@@ -186,7 +199,8 @@ def format_security(results: dict[str, Any]) -> str:
             f"{fmt.format(secured[key]) if secured.get(key) is not None else '—'} | "
             f"{'—' if ratio is None else f'{ratio:.2f}'} |")
     cfg = results["config"]
-    lines.append(f"\n{cfg['records']:,} records of {cfg['record_bytes']} B (acks=all, linger "
+    lines.append(f"\nmedians of {cfg['rounds']} rounds (ABBA); {cfg['records']:,} records of "
+                 f"{cfg['record_bytes']} B (acks=all, linger "
                  f"5 ms); {cfg['requests']:,} digits requests through one worker at full speed, "
                  f"then {cfg['paced_rate_per_s']:g}/s for {cfg['paced_s']:g} s (latencies); "
                  f"{cfg['partitions']} partitions; SASL_SSL = SCRAM-SHA-512 over TLS 1.3 "
