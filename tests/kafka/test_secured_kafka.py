@@ -130,8 +130,8 @@ async def test_a_worker_with_the_right_credentials_answers_retries_dead_letters_
         assert attempts == {"cam-s-0": 0, "cam-s-1": 1, "cam-s-3": 0}
         (letter,) = out.dead_letters
         assert letter.error["reason"] == "invalid_json"
-        status, device = worker.get("/devices/cam-s")
-        assert status == 200 and device["total"] == 4, device
+        device = _device_total(worker, 4)
+        assert device["total"] == 4, device
         metrics = await asyncio.to_thread(_text, worker.web_url + "/metrics")
         shown = subprocess.run(
             [sys.executable, "-m", "streamapp", "status", worker.web_url, "--interval", "0.2"],
@@ -142,8 +142,8 @@ async def test_a_worker_with_the_right_credentials_answers_retries_dead_letters_
     shutil.rmtree(tmp_path / "data")
     with _worker(secured, tmp_path) as worker:
         worker.wait_ready(90)
-        status, device = worker.get("/devices/cam-s")
-        assert status == 200 and device["total"] == 4, device
+        device = _device_total(worker, 4)
+        assert device["total"] == 4, device
 
     log = (tmp_path / "worker.log").read_text()
     broker_log = secured.log_path.read_text() if secured.log_path else ""
@@ -151,6 +151,17 @@ async def test_a_worker_with_the_right_credentials_answers_retries_dead_letters_
     for secret in _secrets(secured):
         assert secret not in log and secret not in metrics and secret not in shown
         assert secret not in broker_log
+
+
+def _device_total(worker: WorkerProcess, total: int, timeout_s: float = 20.0) -> Any:
+    """``/devices/cam-s`` once its total is ``total`` (device state is flushed every
+    ``state_flush_interval_ms``), or the last answer after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status, device = worker.get("/devices/cam-s")
+        if (status == 200 and device["total"] == total) or time.monotonic() > deadline:
+            return device
+        time.sleep(0.2)
 
 
 def _text(url: str) -> str:
