@@ -22,7 +22,7 @@ from typing import Any, Generic, Self, TypeVar
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.structs import ConsumerRecord
 
-from streamapp.exceptions import BrokerError
+from streamapp.exceptions import BrokerError, SecurityError
 from streamapp.kafka import partitions_of, start_or_close
 
 __all__ = ["TopicReader", "cell", "display_width", "iso_utc", "pad", "parse_since"]
@@ -167,6 +167,7 @@ class TopicReader(abc.ABC, Generic[_T]):
             auto_offset_reset="earliest",
             **(security or {}),
         )
+        self._user = str((security or {}).get("sasl_plain_username") or "")
         self._partitions: list[TopicPartition] = []
         self._end: dict[TopicPartition, int] = {}
         self._later: list[_T] = []
@@ -182,9 +183,13 @@ class TopicReader(abc.ABC, Generic[_T]):
             try:
                 partitions = await partitions_of(self._consumer, self.topic)
             except RuntimeError:
-                raise BrokerError(
+                user = self._user
+                raise (SecurityError if user else BrokerError)(
                     f"topic {self.topic!r} does not exist; check --broker and the topic prefix "
-                    "(STREAMAPP_TOPIC_PREFIX)"
+                    "(STREAMAPP_TOPIC_PREFIX)" + (
+                        f", or whether the broker denied user {user!r} access to the topic "
+                        "(a topic the user may not describe looks absent): grant it the "
+                        "ACLs docs/deployment.md lists" if user else "")
                 ) from None
             self._partitions = [TopicPartition(self.topic, p) for p in sorted(partitions)]
             self._consumer.assign(self._partitions)

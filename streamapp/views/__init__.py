@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 
 import faust
 
+from streamapp.settings import web_token
+from streamapp.views.auth import WEB_AUTH_KEY, WebAuth
 from streamapp.views.devices import add_device_views
 from streamapp.views.errors import ApiError, ApiView, json_http_errors
 from streamapp.views.health import add_health_views
@@ -24,7 +26,7 @@ from streamapp.views.metrics import add_metrics_view
 if TYPE_CHECKING:
     from streamapp.state import WorkerState
 
-__all__ = ["ENDPOINTS", "ApiError", "ApiView", "api_reference", "install_views"]
+__all__ = ["ENDPOINTS", "ApiError", "ApiView", "WebAuth", "api_reference", "install_views"]
 
 #: ``(method, path, query parameters, description)`` of every endpoint.
 ENDPOINTS: tuple[tuple[str, str, str, str], ...] = (
@@ -80,18 +82,27 @@ def api_reference() -> str:
 def install_views(app: faust.App, state: WorkerState) -> WebLimits:
     """Register every endpoint of :data:`ENDPOINTS` on ``app``, answer paths no endpoint
     serves with JSON errors too (:func:`~streamapp.views.errors.json_http_errors`), behind the
-    bounds of :mod:`streamapp.views.limits` (``web_max_concurrent_requests``,
-    ``web_max_requests_per_s``, ``web_cache_ms``).
+    web token (:mod:`streamapp.views.auth`: every route, those registered later included,
+    except ``web_open_paths``) and the bounds of :mod:`streamapp.views.limits`
+    (``web_max_concurrent_requests``, ``web_max_requests_per_s``, ``web_cache_ms``).
 
     Returns:
         The bounds' state (counters of refused requests).
+
+    Raises:
+        ConfigError: ``web_token_file`` cannot be read or holds no usable token.
     """
     settings = state.settings
     limits = WebLimits(settings.web_max_concurrent_requests, settings.web_max_requests_per_s)
+    auth = WebAuth(web_token(settings), settings.web_open_paths)
     # faust.web.Web's type has no web_app; the aiohttp driver (the only one) has. The JSON
-    # errors outermost: a refusal by the bounds is JSON already.
-    app.web.web_app.middlewares.append(json_http_errors)  # type: ignore[attr-defined]
-    app.web.web_app.middlewares.append(limits.middleware())  # type: ignore[attr-defined]
+    # errors outermost: a refusal by the bounds is JSON already. The token before the bounds:
+    # requests without it do not use up the rate bound of those with it.
+    web_app = app.web.web_app  # type: ignore[attr-defined]
+    web_app[WEB_AUTH_KEY] = auth
+    web_app.middlewares.append(json_http_errors)
+    web_app.middlewares.append(auth.middleware())
+    web_app.middlewares.append(limits.middleware())
     cache_s = settings.web_cache_ms / 1000.0
     add_health_views(app, state)
     add_metrics_view(app, state, cache_s)
