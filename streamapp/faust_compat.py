@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from collections.abc import Awaitable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,7 +31,9 @@ __all__ = [
     "commit_offsets",
     "committed_or_earliest",
     "event_context",
+    "group_metadata",
     "guard_undecodable_batches",
+    "make_producer_transactional",
     "make_worker",
     "partition_marks",
     "producer_buffer_stalled",
@@ -217,6 +219,58 @@ def set_read_committed(app: Any) -> bool:
         return False
     fetcher._isolation_level = READ_COMMITTED
     return True
+
+
+def make_producer_transactional(
+    app: Any, transactional_id: str, wrap_send: Callable[[Any], Any],
+    on_created: Callable[[Any], None],
+) -> None:
+    """Make the aiokafka producer Faust starts for ``app`` transactional (our batch sink and
+    Faust's table changelogs both write through it: :mod:`streamapp.transactions`).
+
+    Faust 0.15.3 builds that producer in ``Producer._new_producer()`` on start, with
+    ``transactional_id=None`` unless its own (per-partition) exactly-once mode is on. The patch
+    passes ``transactional_id``, idempotence and ``acks=all``; once the producer started (its
+    producer id initialised, which fences an earlier instance of the id and waits for its open
+    transaction to end), a first transaction begins, before anything can be sent. ``send`` and
+    ``send_batch`` are replaced by ``wrap_send(method)``; ``on_created(producer)`` is called
+    with the new aiokafka producer (once per start).
+    """
+    producer = app.producer
+    new_producer = producer._new_producer
+
+    def transactional(transactional_id_: str | None = None) -> Any:
+        client = new_producer(transactional_id=transactional_id)
+        started = client.start
+
+        async def start_and_begin() -> None:
+            await started()
+            await client.begin_transaction()
+
+        client.start = start_and_begin
+        client.send = wrap_send(client.send)
+        client.send_batch = wrap_send(client.send_batch)
+        on_created(client)
+        return client
+
+    settings_extra = producer._settings_extra
+    producer._new_producer = transactional
+    producer._settings_extra = lambda: {
+        **settings_extra(), "acks": "all", "enable_idempotence": True,
+    }
+
+
+def group_metadata(app: Any, group_instance_id: str | None) -> Any:
+    """The consumer group generation and member id of the worker's consumer (Faust's aiokafka
+    consumer, run in its consumer thread), as a
+    :class:`streamapp.transactions.GroupMetadata`; generation -1 when not joined."""
+    from streamapp.transactions import GroupMetadata
+
+    consumer = getattr(getattr(app.consumer, "_thread", None), "_consumer", None)
+    coordinator = getattr(consumer, "_coordinator", None)
+    generation = getattr(coordinator, "generation", -1)
+    member_id = getattr(coordinator, "member_id", "") or ""
+    return GroupMetadata(int(generation), str(member_id), group_instance_id or None)
 
 
 def tolerate_stale_member_url(app: Any) -> None:

@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewPartitions, NewTopic
@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "ClusterFacts",
+    "IsolationLevel",
     "add_partitions",
     "cluster_facts",
     "create_topics",
@@ -46,6 +47,10 @@ __all__ = [
     "start_or_close",
     "with_admin",
 ]
+
+#: How a reader treats transactions (aiokafka's ``isolation_level``): ``read_committed`` hands
+#: out records of committed transactions only, ``read_uncommitted`` every record.
+IsolationLevel = Literal["read_committed", "read_uncommitted"]
 
 
 def describe_error(exc: BaseException) -> str:
