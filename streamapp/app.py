@@ -30,6 +30,7 @@ from streamapp.faust_compat import (
     guard_undecodable_batches,
     make_producer_transactional,
     producer_client,
+    recover_past_transaction_markers,
     screen_changelog,
     set_fetch_max_wait,
     set_producer_buffer_max,
@@ -187,6 +188,7 @@ def _transactions(
         committer.on_started(producer)
 
     make_producer_transactional(app, transactional_id(conf), gate.wrap, started)
+    recover_past_transaction_markers(app, conf)
     return committer
 
 

@@ -38,6 +38,7 @@ __all__ = [
     "partition_marks",
     "producer_buffer_stalled",
     "producer_client",
+    "recover_past_transaction_markers",
     "screen_changelog",
     "set_fetch_max_wait",
     "set_producer_buffer_max",
@@ -258,6 +259,36 @@ def make_producer_transactional(
     producer._settings_extra = lambda: {
         **settings_extra(), "acks": "all", "enable_idempotence": True,
     }
+
+
+def recover_past_transaction_markers(app: Any, settings: Settings) -> None:
+    """Let table recovery end on changelogs written in transactions (exactly_once).
+
+    Faust 0.15.3 restores a changelog partition until it applied the record at the partition's
+    high watermark - 1. Written in transactions, a partition ends with a transaction marker
+    (and records of aborted transactions), which the consumer never hands out: recovery then
+    never ended (the worker logged "No event received for active tp" forever). Faust's own
+    fix-up runs only in its exactly-once mode and only after two 5 s idle timeouts. The patch
+    replaces each target of ``Recovery._build_highwaters`` by the offset of the partition's
+    last committed record (:func:`streamapp.kafka.last_data_offsets`), so recovery ends when
+    that record is applied.
+    """
+    from streamapp.kafka import last_data_offsets
+
+    recovery = app.tables.recovery
+    build_highwaters = recovery._build_highwaters
+
+    async def to_last_records(consumer: Any, tps: Any, destination: Any, title: str) -> None:
+        await build_highwaters(consumer, tps, destination, title)
+        wanted = [(tp.topic, tp.partition) for tp in tps if destination.get(tp, -1) >= 0]
+        lasts = await last_data_offsets(settings.bootstrap_servers, wanted,
+                                        security=kafka_security_options(settings))
+        for tp in tps:
+            last = lasts.get((tp.topic, tp.partition))
+            if last is not None and last != destination.get(tp):
+                destination[tp] = last
+
+    recovery._build_highwaters = to_last_records
 
 
 def group_metadata(app: Any, group_instance_id: str | None) -> Any:

@@ -90,6 +90,8 @@ class WorkerRuntime:
         self._users = 0
         self._lock = asyncio.Lock()
         self._scheduler: DelayScheduler | None = None
+        #: exactly_once: the latest due time scheduled per retry partition.
+        self._last_due: dict[tuple[str, int], float] = {}
 
     async def acquire(
         self, sink: Sink, retry_store: RetryStore, observers: Sequence[PipelineObserver] = ()
@@ -219,7 +221,14 @@ class WorkerRuntime:
             return
         retry_store.record_attempt(record, source.event)
         source.key, source.value, source.retry = record.key, record.value, record
-        await self._scheduler.add(record.not_before, source)
+        due = record.not_before
+        if self.transactions is not None:
+            # exactly_once: a retry partition's records run (and so answer) in offset order,
+            # or an answered record beyond the committable prefix would be answered again
+            # after a crash. Due times are made monotonic per partition (a short wait).
+            tp = (source.topic, source.partition)
+            due = self._last_due[tp] = max(due, self._last_due.get(tp, due))
+        await self._scheduler.add(due, source)
 
     def describe(self) -> dict[str, Any]:
         """Engines and counters, for ``/engines`` and ``/ready``."""
