@@ -20,7 +20,7 @@ from yarl import URL
 
 from streamapp.agents.pipeline import SourceMessage
 from streamapp.delivery import Delivery
-from streamapp.exceptions import BrokerError, ConfigError
+from streamapp.exceptions import BrokerError
 from streamapp.faust_compat import (
     FaustConsumer,
     FaustSink,
@@ -54,6 +54,7 @@ from streamapp.transactions import (
     LockedSink,
     SendGate,
     TransactionCommitter,
+    check_guarantee,
     transactional_id,
     use_group_metadata,
 )
@@ -168,14 +169,9 @@ def _transactions(
     Raises:
         ConfigError: exactly_once on the embedded broker (it has no transactions).
     """
+    check_guarantee(conf)
     if conf.processing_guarantee != "exactly_once":
         return None
-    if conf.broker_kind == "embedded":
-        raise ConfigError(
-            "processing_guarantee=exactly_once needs Apache Kafka: the embedded broker (Tansu) "
-            "has no transactions; use --broker with an Apache Kafka (`streamapp broker "
-            "--kafka`) or processing_guarantee=at_least_once"
-        )
     gate = SendGate()
     committer = TransactionCommitter(
         None, gate, group_id=app.conf.id, outputs_lock=asyncio.Lock(),

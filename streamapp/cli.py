@@ -213,6 +213,7 @@ def worker(
     )
     from streamapp.partitions import plan_partitions
     from streamapp.settings import load_settings
+    from streamapp.transactions import check_guarantee
 
     _check_port(web_port, "--web-port", free="a free port")
     flags: dict[str, Any] = dict(
@@ -227,6 +228,7 @@ def worker(
     try:
         settings = resolve_broker_kind(load_settings(**flags))
         bootstrap = settings.bootstrap_servers
+        check_guarantee(settings)  # exactly_once needs transactions: before any start
         if processes is None:
             use_event_loop(settings.event_loop)
         # One process per data directory (RocksDB): fail here, before joining the group.

@@ -63,16 +63,38 @@ from aiokafka.protocol.types import (
 )
 from aiokafka.structs import OffsetAndMetadata, TopicPartition
 
-from streamapp.exceptions import BrokerError
+from streamapp.exceptions import BrokerError, ConfigError
 from streamapp.offsets import TP
 from streamapp.settings import Settings
 
 __all__ = [
-    "GroupMetadata", "LockedSink", "SendGate", "TransactionCommitter", "TransactionStats",
-    "transactional_id", "use_group_metadata",
+    "GroupMetadata",
+    "LockedSink",
+    "SendGate",
+    "TransactionCommitter",
+    "TransactionStats",
+    "check_guarantee",
+    "transactional_id",
+    "use_group_metadata",
 ]
 
 log = logging.getLogger(__name__)
+
+
+def check_guarantee(settings: Settings) -> None:
+    """Refuse ``processing_guarantee="exactly_once"`` where it cannot hold.
+
+    Raises:
+        ConfigError: exactly_once on the embedded broker (``broker_kind`` ``"embedded"``,
+            decided: call after :func:`streamapp.kafka.resolve_broker_kind`), which has no
+            transactions.
+    """
+    if settings.processing_guarantee == "exactly_once" and settings.broker_kind == "embedded":
+        raise ConfigError(
+            "processing_guarantee=exactly_once needs Apache Kafka: the embedded broker (Tansu) "
+            "has no transactions; use --broker with an Apache Kafka (`streamapp broker "
+            "--kafka`) or processing_guarantee=at_least_once"
+        )
 
 
 def transactional_id(settings: Settings) -> str:
