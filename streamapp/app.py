@@ -51,6 +51,7 @@ from streamapp.state import advertised_host, build_state
 from streamapp.tables.rows import RowScreen
 from streamapp.topology import TopicWatch
 from streamapp.transactions import (
+    TRANSACTION_TIMEOUT_MS,
     LockedSink,
     SendGate,
     TransactionCommitter,
@@ -183,7 +184,8 @@ def _transactions(
         use_group_metadata(producer._sender, lambda: group_metadata(app, instance))
         committer.on_started(producer)
 
-    make_producer_transactional(app, transactional_id(conf), gate.wrap, started)
+    make_producer_transactional(app, transactional_id(conf), gate.wrap, started,
+                                transaction_timeout_ms=TRANSACTION_TIMEOUT_MS)
     recover_past_transaction_markers(app, conf)
     return committer
 

@@ -224,7 +224,7 @@ def set_read_committed(app: Any) -> bool:
 
 def make_producer_transactional(
     app: Any, transactional_id: str, wrap_send: Callable[[Any], Any],
-    on_created: Callable[[Any], None],
+    on_started: Callable[[Any], None], *, transaction_timeout_ms: int,
 ) -> None:
     """Make the aiokafka producer Faust starts for ``app`` transactional (our batch sink and
     Faust's table changelogs both write through it: :mod:`streamapp.transactions`).
@@ -234,8 +234,10 @@ def make_producer_transactional(
     passes ``transactional_id``, idempotence and ``acks=all``; once the producer started (its
     producer id initialised, which fences an earlier instance of the id and waits for its open
     transaction to end), a first transaction begins, before anything can be sent. ``send`` and
-    ``send_batch`` are replaced by ``wrap_send(method)``; ``on_created(producer)`` is called
-    with the new aiokafka producer (once per start).
+    ``send_batch`` are replaced by ``wrap_send(method)``; ``on_started(producer)`` is called
+    with the new aiokafka producer once it started and began (once per start).
+    ``transaction_timeout_ms``: how long the broker keeps a transaction of a dead producer
+    open before it aborts it (read_committed readers wait that long behind it).
     """
     producer = app.producer
     new_producer = producer._new_producer
@@ -247,17 +249,18 @@ def make_producer_transactional(
         async def start_and_begin() -> None:
             await started()
             await client.begin_transaction()
+            on_started(client)
 
         client.start = start_and_begin
         client.send = wrap_send(client.send)
         client.send_batch = wrap_send(client.send_batch)
-        on_created(client)
         return client
 
     settings_extra = producer._settings_extra
     producer._new_producer = transactional
     producer._settings_extra = lambda: {
         **settings_extra(), "acks": "all", "enable_idempotence": True,
+        "transaction_timeout_ms": transaction_timeout_ms,
     }
 
 

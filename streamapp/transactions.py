@@ -68,6 +68,7 @@ from streamapp.offsets import TP
 from streamapp.settings import Settings
 
 __all__ = [
+    "TRANSACTION_TIMEOUT_MS",
     "GroupMetadata",
     "LockedSink",
     "SendGate",
@@ -79,6 +80,12 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+#: How long the broker keeps the open transaction of a worker that died before it aborts it
+#: (ms): ``read_committed`` readers of its partitions wait that long behind it, unless the
+#: worker restarts in place sooner (its restart aborts it at once). Kafka Streams uses 10 s;
+#: 20 s leaves room for a loaded 2-core machine (a commit that takes longer stops the worker).
+TRANSACTION_TIMEOUT_MS = 20_000
 
 
 def check_guarantee(settings: Settings) -> None:
