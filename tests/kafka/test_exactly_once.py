@@ -39,7 +39,9 @@ from streamapp.process import WorkerProcess
 from streamapp.settings import Settings, load_settings
 from tests.integration.test_failures import FLAKY, request
 
-pytestmark = [pytest.mark.kafka, pytest.mark.apache_kafka, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.kafka, pytest.mark.timeout(900)]
+# The tests on Apache Kafka are long (about 3.5 min together on a shared 2-core machine):
+# marked apache_kafka and slow, they run in ``make test-kafka-slow``.
 
 PARTITIONS = 4
 
@@ -110,6 +112,7 @@ async def _wait_for_totals(worker: WorkerProcess, want: dict[str, int],
         await asyncio.sleep(0.5)
 
 
+@pytest.mark.apache_kafka
 @pytest.mark.slow
 async def test_sigkill_during_traffic_every_request_answered_exactly_once(
     apache_kafka: KafkaBroker, eos_settings: Settings, tmp_path: Path
@@ -164,6 +167,7 @@ async def test_sigkill_during_traffic_every_request_answered_exactly_once(
     assert totals == dict(per_device)  # every request counted once in the device tables
 
 
+@pytest.mark.apache_kafka
 @pytest.mark.slow
 async def test_engine_failures_inside_transactions_end_in_one_result_each(
     apache_kafka: KafkaBroker, eos_settings: Settings, tmp_path: Path,
@@ -240,6 +244,7 @@ def test_the_embedded_broker_refuses_exactly_once_with_one_line(
 
 
 
+@pytest.mark.apache_kafka
 @pytest.mark.slow
 async def test_a_worker_joining_and_leaving_during_traffic_answers_exactly_once(
     apache_kafka: KafkaBroker, eos_settings: Settings, tmp_path: Path
