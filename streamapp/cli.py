@@ -235,6 +235,7 @@ def worker(
     )
     from streamapp.partitions import plan_partitions
     from streamapp.settings import load_settings, web_token
+    from streamapp.transactions import check_guarantee
 
     _check_port(web_port, "--web-port", free="a free port")
     flags: dict[str, Any] = dict(
@@ -250,6 +251,7 @@ def worker(
         settings = resolve_broker_kind(load_settings(**flags))
         bootstrap = settings.bootstrap_servers
         web_token(settings)  # an unusable web_token_file: one line now, not in every child
+        check_guarantee(settings)  # exactly_once needs transactions: before any start
         if processes is None:
             use_event_loop(settings.event_loop)
         # One process per data directory (RocksDB): fail here, before joining the group.

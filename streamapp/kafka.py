@@ -15,9 +15,9 @@ import re
 import ssl
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewPartitions, NewTopic
@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "ClusterFacts",
+    "IsolationLevel",
     "add_partitions",
     "cluster_facts",
     "connection_error",
@@ -49,6 +50,7 @@ __all__ = [
     "describe_error",
     "ensure_topics",
     "kafka_security_options",
+    "last_data_offsets",
     "partitions_of",
     "probe_metadata",
     "read_partition_range",
@@ -59,6 +61,10 @@ __all__ = [
     "start_or_close",
     "with_admin",
 ]
+
+#: How a reader treats transactions (aiokafka's ``isolation_level``): ``read_committed`` hands
+#: out records of committed transactions only, ``read_uncommitted`` every record.
+IsolationLevel = Literal["read_committed", "read_uncommitted"]
 
 
 def describe_error(exc: BaseException) -> str:
@@ -321,6 +327,61 @@ async def read_partition_range(
     finally:
         await consumer.stop()
     return out
+
+
+async def last_data_offsets(
+    bootstrap_servers: str,
+    tps: Sequence[tuple[str, int]],
+    *,
+    security: dict[str, Any] | None = None,
+    timeout_s: float = 10.0,
+) -> dict[tuple[str, int], int]:
+    """The offset of the last committed data record of each partition, read with
+    ``read_committed`` below its last stable offset; -1 for a partition without one.
+
+    With transactions a partition's last offsets are transaction markers (and records of
+    aborted transactions), which no consumer is handed: its high watermark - 1 is not the
+    offset of a record. Reads back from the end, doubling the tail read until a record is
+    found or the log start is reached.
+
+    Raises:
+        BrokerError: The broker did not answer within ``timeout_s``.
+    """
+    if not tps:
+        return {}
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap_servers, group_id=None, enable_auto_commit=False,
+        auto_offset_reset="earliest", isolation_level="read_committed", **(security or {}),
+    )
+    await start_or_close(consumer)
+    try:
+        parts = [TopicPartition(t, p) for t, p in tps]
+        consumer.assign(parts)
+        begin = await consumer.beginning_offsets(parts)
+        ends = await consumer.end_offsets(parts)
+        out = {(tp.topic, tp.partition): -1 for tp in parts}
+        deadline = time.monotonic() + timeout_s
+        for tp in parts:
+            tail, stop = 16, ends[tp]
+            while stop > begin[tp]:
+                start = max(begin[tp], stop - tail)
+                consumer.seek(tp, start)
+                last = -1
+                while await consumer.position(tp) < stop:
+                    if time.monotonic() > deadline:
+                        raise BrokerError(f"reading the end of {tp.topic}[{tp.partition}] took "
+                                          f"more than {timeout_s:g} s")
+                    batch = await consumer.getmany(tp, timeout_ms=200)
+                    for record in batch.get(tp, ()):
+                        if record.offset < stop:
+                            last = max(last, record.offset)
+                if last >= 0:
+                    out[(tp.topic, tp.partition)] = last
+                    break
+                stop, tail = start, tail * 2
+        return out
+    finally:
+        await consumer.stop()
 
 
 async def read_partition_tails(

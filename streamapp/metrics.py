@@ -161,6 +161,14 @@ METRIC_FAMILIES: tuple[tuple[str, str, str, str], ...] = (
         ("streamapp_bisections_total", "counter", "",
          "Failed batches whose requests were run again, each alone, to isolate the failing "
          "request(s)."),
+        ("streamapp_transactions_total", "counter", "",
+         "Transactions committed with outcomes, changelog records or offsets in them "
+         "(processing_guarantee=exactly_once; 0 otherwise); docs/delivery.md."),
+        ("streamapp_transaction_failures_total", "counter", "",
+         "Transactions that could not be committed (the worker aborts and stops after one)."),
+        ("streamapp_stale_outcomes_dropped_total", "counter", "",
+         "Outcomes not produced because their partition was revoked or reassigned after the "
+         "record was read (exactly_once: its next reader answers it)."),
         ("streamapp_undecodable_batches_total", "counter", "topic, handling",
          "Fetched record batches the consumer could not decode (bad CRC, a codec it lacks, "
          "corrupt compressed data), each counted once: `dead_lettered` (request and retry "
@@ -261,7 +269,8 @@ class WorkerGauges:
     #: ``{(table, reason, source): rows}`` of rows rejected (:mod:`streamapp.tables.rows`).
     rows_rejected: dict[tuple[str, str, str], int] = field(default_factory=dict)
     #: Delivery counters: ``gap_reads``, ``gap_records``, ``commits``, ``commit_failures``,
-    #: ``produce_failures``, ``bisections`` (see :data:`DELIVERY_COUNTERS`).
+    #: ``produce_failures``, ``bisections``, ``transactions``, ``transaction_failures``,
+    #: ``stale_dropped`` (see :data:`DELIVERY_COUNTERS`).
     delivery: dict[str, int] = field(default_factory=dict)
     #: ``{(topic, handling): (batches, offsets)}`` of undecodable record batches
     #: (:func:`streamapp.record_batches.undecodable_counts`).
@@ -276,6 +285,10 @@ DELIVERY_COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("commit_failures", "streamapp_commit_failures", "Offset commits failed."),
     ("produce_failures", "streamapp_produce_failures", "Outcomes not delivered."),
     ("bisections", "streamapp_bisections", "Failed batches whose requests were run again alone."),
+    ("transactions", "streamapp_transactions", "Transactions committed (exactly_once)."),
+    ("transaction_failures", "streamapp_transaction_failures", "Transactions that failed."),
+    ("stale_dropped", "streamapp_stale_outcomes_dropped",
+     "Outcomes of revoked partitions' records not produced (exactly_once)."),
 )
 
 

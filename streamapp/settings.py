@@ -42,6 +42,7 @@ GpuExecutor = Literal["inprocess", "shared"]
 BrokerKind = Literal["auto", "kafka", "embedded"]
 SecurityProtocol = Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]
 SaslMechanism = Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"]
+ProcessingGuarantee = Literal["at_least_once", "exactly_once"]
 
 #: Paths that may be answered without the web token (``web_open_paths``), all by default:
 #: what orchestrators probe and Prometheus scrapes.
@@ -280,6 +281,16 @@ class Settings(BaseSettings):
         description="How often finished source offsets are committed (ms). A record is finished "
         "once the device state flush after its outcome ran (state_flush_interval_ms, "
         "state_flush_max_records); docs/delivery.md gives what a crash re-delivers.",
+    )
+    processing_guarantee: ProcessingGuarantee = Field(
+        "at_least_once",
+        description="'at_least_once': outcomes are produced, then source offsets committed "
+        "(a crash re-delivers what was in flight). 'exactly_once' (Apache Kafka only): each "
+        "commit_interval_ms the outcomes, table changelog writes and source offsets of that "
+        "interval are committed in one Kafka transaction (transactional id per worker "
+        "instance, consumer group generation checked as KIP-447 does); read_committed "
+        "consumers see every request's outcome once. Costs latency (outcomes become visible "
+        "at the commit) and throughput; docs/delivery.md says when to choose which.",
     )
     state_flush_interval_ms: float = Field(
         500.0, ge=0,

@@ -23,7 +23,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.structs import ConsumerRecord
 
 from streamapp.exceptions import BrokerError, SecurityError
-from streamapp.kafka import partitions_of, start_or_close
+from streamapp.kafka import IsolationLevel, partitions_of, start_or_close
 
 __all__ = ["TopicReader", "cell", "display_width", "iso_utc", "pad", "parse_since"]
 
@@ -144,6 +144,9 @@ class TopicReader(abc.ABC, Generic[_T]):
         topic: The topic (``settings.dlq_topic``, ``settings.result_topic``).
         security: aiokafka security options (:func:`streamapp.kafka.kafka_security_options`).
         poll_ms: Longest wait of one poll.
+        isolation_level: ``"read_committed"`` (default): records of committed transactions
+            only, as an exactly_once worker's outcomes are meant to be read;
+            ``"read_uncommitted"``: also those of open and aborted transactions.
 
     Attributes:
         skipped: Records that :meth:`decode` left out (subclasses count them).
@@ -156,6 +159,7 @@ class TopicReader(abc.ABC, Generic[_T]):
         *,
         security: Mapping[str, Any] | None = None,
         poll_ms: int = 200,
+        isolation_level: IsolationLevel = "read_committed",
     ) -> None:
         self.topic = topic
         self.poll_ms = poll_ms
@@ -165,6 +169,7 @@ class TopicReader(abc.ABC, Generic[_T]):
             group_id=None,
             enable_auto_commit=False,
             auto_offset_reset="earliest",
+            isolation_level=isolation_level,
             **(security or {}),
         )
         self._user = str((security or {}).get("sasl_plain_username") or "")

@@ -244,6 +244,9 @@ class PipelineStats:
     acked: int = 0
     #: Failed batches whose requests were run again, each alone (the metric's historic name).
     bisections: int = 0
+    #: Outcomes not produced because their partition was revoked or reassigned after the
+    #: record was read (exactly_once only: its next reader answers it).
+    stale_dropped: int = 0
 
 
 class InferencePipeline:
@@ -262,6 +265,10 @@ class InferencePipeline:
         ack_guard: Confirms acknowledgements (:class:`AckGuard`, e.g.
             :class:`streamapp.topology.TopicWatch`): one it refuses, or held acknowledgements
             it does not confirm at a state flush, leave their records uncommitted.
+        current: With exactly_once: whether a record still belongs to its partition's current
+            assignment (:meth:`streamapp.delivery.Delivery.current`); the outcomes of records
+            that do not are dropped (the partition's next reader answers them, in its own
+            transaction). None (at_least_once): every outcome is produced.
     """
 
     def __init__(
@@ -275,8 +282,10 @@ class InferencePipeline:
         observers: Sequence[PipelineObserver] = (),
         highwater: Callable[[str, int], int | None] | None = None,
         ack_guard: AckGuard | None = None,
+        current: Callable[[SourceMessage], bool] | None = None,
     ) -> None:
         self.settings = settings
+        self.current = current
         self.ack_guard = ack_guard
         self.models = dict(models)
         self.sink = sink
@@ -621,6 +630,10 @@ class InferencePipeline:
     async def _emit_many(self, completions: list[Completion[_Work]]) -> None:
         """Produce the outcomes of ``completions`` (in read order): one producer call per
         partition when the sink has ``send_many``, else one ``send`` per record."""
+        if self.current is not None:
+            kept = [c for c in completions if self.current(c.item.source)]
+            self.stats.stale_dropped += len(completions) - len(kept)
+            completions = kept
         outgoing: list[_Outgoing] = []
         for completion in completions:
             prepared = self._prepare(completion)
