@@ -2,11 +2,12 @@
 
 The worker runs the test-only ``faulty`` backend with no fault rules and ``batch_delay_ms`` 32:
 batches of 16 at most, one at a time, so it answers about 500 requests/s. A burst of 5,000
-requests (2,500/s for 2 s) with a ``deadline`` of 200 ms: the requests it can reach within 200 ms of their Kafka
-timestamp are answered, the others get ``expired`` results, in each device's order; the engine
-ran only the answered ones (``streamapp_batch_size_sum``), and ``/metrics`` and the device stats
-count the same. A model whose metadata sets ``queue_policy.latest_frame`` (a copy of ``digits``)
-answers only the newest request of a device in a batch; the others name it.
+requests (2,500/s for 2 s) with a ``deadline`` of 200 ms: the requests it can reach within
+200 ms of their Kafka timestamp are answered, the others get ``expired`` results, in each
+device's order; the engine ran only the answered ones (``streamapp_batch_size_sum``), and
+``/metrics`` and the device stats count the same. A model whose metadata sets
+``queue_policy.latest_frame`` (a copy of ``digits``) answers only the newest request of a
+device in a batch; the others name it.
 """
 
 from __future__ import annotations

@@ -60,13 +60,13 @@ class Event:
 
 
 def burst(
-    images: np.ndarray, n: int, *, produced_at: float, deadline: float | None = None
+    frames: np.ndarray, n: int, *, produced_at: float, deadline: float | None = None
 ) -> list[SourceMessage]:
     """``n`` requests from :data:`DEVICES` devices, round-robin, all stamped ``produced_at``."""
     messages = []
     for i in range(n):
         device = f"cam-{i % DEVICES:02d}"
-        pixels = images[i % len(images)]
+        pixels = frames[i % len(frames)]
         request = InferenceRequest(
             f"{device}-{i // DEVICES}", device, i // DEVICES, time.time(), "digits",
             tensor=TensorPayload("uint8", (8, 8), pixels.tobytes()), deadline=deadline,
