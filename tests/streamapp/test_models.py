@@ -4,8 +4,8 @@ rejection of inputs the model cannot take, and top-k post-processing."""
 from __future__ import annotations
 
 import json
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
