@@ -7,7 +7,6 @@ Kafka with plain aiokafka, as a gateway in front of cameras would, not through F
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -182,7 +181,10 @@ async def publish(
                 if delay > 0:
                     await asyncio.sleep(delay)
             now = time.time()
-            stamped = dataclasses.replace(request, ts=now)
+            stamped = InferenceRequest(
+                request.request_id, request.device_id, request.seq, now, request.model,
+                request.tensor, request.image, deadline=request.deadline,
+            )
             fut = await producer.send(
                 topic, encode_request(stamped, codec), key=request.device_id.encode()
             )
