@@ -265,7 +265,7 @@ async def publish(
             now = time.time()
             stamped = InferenceRequest(
                 request.request_id, request.device_id, request.seq, now, request.model,
-                request.tensor, request.image,
+                request.tensor, request.image, deadline=request.deadline,
             )
             fut = await producer.send(
                 topic, encode_request(stamped, codec), key=request.device_id.encode()

@@ -13,6 +13,7 @@ from typing import Any
 
 __all__ = [
     "MAX_DEVICE_ID_CHARS",
+    "RESULT_OUTCOMES",
     "DeadLetter",
     "InferenceRequest",
     "InferenceResult",
@@ -88,6 +89,11 @@ class InferenceRequest:
         model: Model name in the model repository, e.g. ``"digits"``.
         tensor: The input tensor, or None when ``image`` is given.
         image: Encoded image bytes (JPEG/PNG), or None when ``tensor`` is given.
+        deadline: Optional relative deadline, milliseconds (> 0, at most
+            :data:`streamapp.codecs.MAX_DEADLINE_MS`): how old the request may be when its
+            batch would start, measured from when it reached Kafka (docs/delivery.md, "Queue
+            policy"); it replaces the model's ``queue_policy.max_age_ms``. None: the model's
+            policy, if any.
     """
 
     request_id: str
@@ -97,6 +103,7 @@ class InferenceRequest:
     model: str
     tensor: TensorPayload | None = None
     image: bytes | None = None
+    deadline: float | None = None
 
 
 @dataclass(slots=True)
@@ -110,6 +117,16 @@ class InferenceResult:
     record's timestamp; the worker's read time where the record has none, the first failure for
     a retry), ``e2e_ms`` runs from that time instead and ``clock_skew_ms`` is ``ts`` minus it
     (positive: the device clock is ahead); else ``clock_skew_ms`` is None (docs/faults.md).
+
+    ``outcome`` is ``"answered"`` for a prediction. A request that a queue policy kept from the
+    engine (docs/delivery.md) is a result too, in its device's order, with ``outcome``
+    ``"expired"`` (older than its max age when its batch would start) or ``"superseded"`` (a
+    newer request of its device in the same batch was inferred instead), empty ``outputs``,
+    ``infer_ms`` 0, ``batch_id`` None and ``batch_size`` 0. ``policy`` holds what the policy
+    saw, written as top-level fields by :meth:`to_dict` (absent without a policy):
+    ``age_ms`` (how old the request was when its batch started, or when it was skipped),
+    ``max_age_ms`` and ``max_age_from`` (``"request"`` or ``"model"``) when a max age applied,
+    ``superseded_by`` (the ``request_id`` inferred instead) for a superseded request.
     """
 
     request_id: str
@@ -122,20 +139,28 @@ class InferenceResult:
     queue_ms: float
     infer_ms: float
     e2e_ms: float
-    batch_id: str
+    batch_id: str | None
     batch_size: int
     worker: str
     ts: float
     clock_skew_ms: float | None = None
+    outcome: str = "answered"
+    policy: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         # Not dataclasses.asdict: its recursive deep copy took 20 µs per result on the worker's
         # hot path (bench/, profile of the digits workload); a shallow copy takes about 2 µs,
         # and ``outputs`` is built fresh for every result anyway.
-        return {name: getattr(self, name) for name in _RESULT_FIELDS}
+        out = {name: getattr(self, name) for name in _RESULT_FIELDS}
+        if self.policy is not None:
+            out.update(self.policy)
+        return out
 
 
-_RESULT_FIELDS = tuple(f.name for f in fields(InferenceResult))
+#: Result outcomes: a prediction, or a request a queue policy kept from the engine.
+RESULT_OUTCOMES = ("answered", "expired", "superseded")
+
+_RESULT_FIELDS = tuple(f.name for f in fields(InferenceResult) if f.name != "policy")
 
 
 @dataclass(slots=True)

@@ -58,15 +58,17 @@ ENDPOINTS: tuple[tuple[str, str, str, str], ...] = (
      "page is cut from a newer snapshot, so devices whose values changed in between can be "
      "skipped or repeated."),
     ("GET", "/devices/{device_id}", "",
-     "The device's stats from its owner (any worker forwards): `total`, `counts` by outcome, "
-     "dead letters and retries by reason, `last_seq`, `last_result`, `latency_ewma_ms`, "
+     "The device's stats from its owner (any worker forwards): `total`, `counts` by outcome "
+     "(`expired` and `superseded` too once the device has one, docs/delivery.md), dead "
+     "letters and retries by reason, `last_seq`, `last_result`, `latency_ewma_ms`, "
      "`clock_skew`, `first_seen`, `last_seen`, and `state_reset` (`reason`, `detail`, `at`, "
      "`source`) when its stored row could not be read and its counts started afresh at `at` "
      "(docs/tables.md). 404 when unknown."),
     ("GET", "/devices/{device_id}/windows", "`kind` (`tumbling`, `hopping`), "
      "`last` (1–what expiry keeps, 6)",
      "The device's `last` windows, oldest first, empty ones included: `start`, `end`, "
-     "`count`, `results`, `dead_letters`, `retries`, `e2e_mean_ms`, `e2e_max_ms`, `labels` "
+     "`count`, `results`, `dead_letters`, `retries`, `skipped` (expired or superseded by a "
+     "queue policy), `e2e_mean_ms`, `e2e_max_ms`, `labels` "
      "(and `state_reset` when a stored bucket of it could not be read)."),
 )
 
