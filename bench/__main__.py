@@ -1,5 +1,5 @@
 """``python -m bench run --profile cpu|smoke|gpu [--out DIR]``, ``python -m bench scaleout``,
-``python -m bench backlog`` and ``python -m bench hotpath``."""
+``python -m bench backlog``, ``python -m bench hotpath`` and ``python -m bench security``."""
 
 from __future__ import annotations
 
@@ -93,6 +93,12 @@ def main(argv: list[str] | None = None) -> int:
     iso.add_argument("--seconds", type=float, default=20.0, help="measured seconds per phase")
     iso.add_argument("--out", type=Path, default=Path("bench-results/isolation"))
     iso.add_argument("--logs", type=Path, default=None, help="default OUT/logs")
+    secured = sub.add_parser("security", help="SASL_SSL against PLAINTEXT on Apache Kafka, "
+                             "side by side (transport and one worker)")
+    secured.add_argument("--out", type=Path, default=Path("bench-results/security.json"))
+    secured.add_argument("--requests", type=int, default=3000)
+    secured.add_argument("--records", type=int, default=50_000)
+    secured.add_argument("--rounds", type=int, default=2)
     report = sub.add_parser("report", help="print the report of a bench.json again")
     report.add_argument("json", type=Path)
     report.add_argument("--plots", type=Path, default=None, help="also redraw the PNGs here")
@@ -101,6 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     def log(message: str) -> None:
         print(message, flush=True)
 
+    if args.command == "security":
+        from bench.security import SecurityConfig
+        from bench.security import main as security_main
+
+        return security_main(args.out, SecurityConfig(
+            requests=args.requests, records=args.records, rounds=args.rounds))
     if args.command == "report":
         results = json.loads(args.json.read_text())
         print(format_report(results))

@@ -82,6 +82,9 @@ class Collector:
             bootstrap_servers=self.bootstrap, group_id=None, enable_auto_commit=False,
             auto_offset_reset="earliest", fetch_max_wait_ms=20,
             max_partition_fetch_bytes=8 << 20,
+            # an exactly_once worker's outcomes count once committed (at_least_once writes no
+            # transactions: the same records either way)
+            isolation_level="read_committed",
         )
         await consumer.start()
         tps = []

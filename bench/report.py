@@ -187,6 +187,7 @@ def format_kafka(results: Mapping[str, Any]) -> list[str]:
                     f"compute {r['batch_compute_ms']:.1f} + aiokafka round trip p99 "
                     f"{r['roundtrip_p99_ms']:.1f} ms = {r['p99_budget_ms']:.1f} ms) = "
                     f"{r['p99_over_budget']:.2f} (target ≤ 1)")
+        lines.extend(_format_exactly_once(k.get("exactly_once")))
         a = k.get("anchor")
         if a:
             java, aio, cons = a["producer_perf"], a["aiokafka_produce"], a["consumer_perf"]
@@ -210,6 +211,29 @@ def format_kafka(results: Mapping[str, Any]) -> list[str]:
                     f"({r['aiokafka_over_java_whole_run']:.2f} against its whole run); "
                     f"aiokafka produce+consume ceiling ÷ ProducerPerformance = "
                     f"{r.get('ceiling_over_java', 0):.2f}")
+    return lines
+
+
+def _format_exactly_once(eos: Mapping[str, Any] | None) -> list[str]:
+    """The processing_guarantee comparison of one workload on Apache Kafka (issue 21), side
+    by side: saturation and p99 at one rate, fresh worker per side, the same broker."""
+    if not eos:
+        return []
+    alo, exo = eos.get("at_least_once", {}), eos.get("exactly_once", {})
+    lines = [f"  processing_guarantee (commit_interval_ms {eos.get('commit_interval_ms'):g}, "
+             "one worker each, read_committed reader):",
+             f"  {'':<52}{'at_least_once':>14}{'exactly_once':>14}{'ratio':>8}"]
+
+    def row(label: str, a: Any, b: Any, r: Any, spec: str) -> None:
+        lines.append(f"  {label:<52}{_f(a, spec):>14}{_f(b, spec):>14}{_f(r, '.3f'):>8}")
+
+    row("saturation, results/s", alo.get("results_per_s"), exo.get("results_per_s"),
+        eos.get("throughput_ratio"), ",.0f")
+    level = eos.get("level", 0.5)
+    a_ol, e_ol = alo.get("open_loop", {}), exo.get("open_loop", {})
+    row(f"p99 at {_f(a_ol.get('rate'), ',.0f')}/s ({level:.0%} of at_least_once sat.), ms",
+        a_ol.get("p99_ms"), e_ol.get("p99_ms"), eos.get("p99_ratio"), ".1f")
+    row("  p50, ms", a_ol.get("p50_ms"), e_ol.get("p50_ms"), None, ".1f")
     return lines
 
 

@@ -14,7 +14,7 @@ import os
 import platform
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -270,8 +270,12 @@ class Bench:
                    inflight: int | None = None, warmup_s: float | None = None,
                    duration_s: float | None = None, window: int | None = None,
                    profile_s: float = 0.0, then: Callable[..., Any] | None = None,
-                   out: dict[str, Any] | None = None) -> dict[str, Any]:
-        settings = _worker_settings(plan, wl, self.profile, batch=batch, inflight=inflight)
+                   out: dict[str, Any] | None = None,
+                   extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Closed-loop saturation of a fresh worker (``extra``: worker settings over the
+        plan's); ``then(broker, topics, pids)`` runs on the same worker afterwards."""
+        settings = {**_worker_settings(plan, wl, self.profile, batch=batch, inflight=inflight),
+                    **(extra or {})}
         name = f"{wl.name}-{label}"
         with self._broker(name) as broker, \
                 start_worker(broker, settings, self.logs, name,
@@ -449,6 +453,7 @@ class Bench:
                 out["anchor"] = self.anchor(plan, wl, broker)
                 if plan.workload in self.profile.kafka_product:
                     self._kafka_product(plan, wl, out)
+                    out["exactly_once"] = self.exactly_once(plan, wl)
             finally:
                 self._shared = None
         self._save()
@@ -494,6 +499,51 @@ class Bench:
         if at and plan.roundtrip:
             out["roundtrip"] = {**self.roundtrip(plan, wl, at[0]["rate"]),
                                 "level": plan.p99_level}
+
+    def exactly_once(self, plan: Plan, wl: Workload) -> dict[str, Any]:
+        """``processing_guarantee`` side by side on this Apache Kafka (issue 21): for each
+        guarantee a fresh worker at saturation, then on that worker an open loop at
+        :data:`EOS_LEVEL` of the at_least_once saturation rate (the same rate for both), with
+        :data:`EOS_COMMIT_INTERVAL_MS` for both; the ratios exactly_once ÷ at_least_once."""
+        sides: dict[str, Any] = {}
+        rate: dict[str, float] = {}  # the open-loop rate: set by the at_least_once side
+        for guarantee in ("at_least_once", "exactly_once"):
+            holder: dict[str, Any] = {}
+
+            def then(broker: Any, topics: dict[str, str], pids: dict[str, int],
+                     holder: dict[str, Any] = holder) -> dict[str, Any]:
+                base = rate.setdefault("at_least_once", holder["saturation_rate"])
+                return self._measure_open_loop(plan, wl, max(1.0, EOS_LEVEL * base), broker,
+                                               topics, pids)
+
+            sat = self.saturation(
+                plan, wl, label=f"kafka-{guarantee.replace('_', '-')}", out=holder, then=then,
+                extra={"processing_guarantee": guarantee,
+                       "commit_interval_ms": EOS_COMMIT_INTERVAL_MS})
+            ol = sat.pop("then")
+            sides[guarantee] = {
+                "results_per_s": sat["results_per_s"], "saturation": sat,
+                "open_loop": {"rate": ol.get("rate"), "p50_ms": ol.get("p50_ms"),
+                              "p99_ms": ol.get("p99_ms"), "results_per_s":
+                              ol.get("results_per_s")},
+            }
+        alo, eos = sides["at_least_once"], sides["exactly_once"]
+
+        def ratio(a: Any, b: Any) -> float | None:
+            return round(b / a, 3) if a and b is not None else None
+
+        out = {
+            "commit_interval_ms": EOS_COMMIT_INTERVAL_MS, "level": EOS_LEVEL, **sides,
+            "throughput_ratio": ratio(alo["results_per_s"], eos["results_per_s"]),
+            "p99_ratio": ratio(alo["open_loop"]["p99_ms"], eos["open_loop"]["p99_ms"]),
+        }
+        self.log(f"  exactly_once ÷ at_least_once: throughput {_f(out['throughput_ratio'])} "
+                 f"({eos['results_per_s']:,.0f} / {alo['results_per_s']:,.0f} results/s), "
+                 f"p99 at {EOS_LEVEL:.0%} of the at_least_once saturation "
+                 f"{_f(out['p99_ratio'])} ({_f(eos['open_loop']['p99_ms'])} / "
+                 f"{_f(alo['open_loop']['p99_ms'])} ms); commit_interval_ms "
+                 f"{EOS_COMMIT_INTERVAL_MS}")
+        return out
 
     def anchor(self, plan: Plan, wl: Workload, broker: Broker) -> dict[str, Any]:
         """Produce-only rates on ``broker``: aiokafka alone, then Kafka's ProducerPerformance
@@ -614,6 +664,13 @@ def _rss_mib(pid: int | None) -> float:
 def _rss_at(samples: list[tuple[float, float]], t: float) -> float | None:
     after = [r for s, r in samples if s >= t]
     return round(after[0], 1) if after else None
+
+
+#: Commit interval of both sides of the exactly_once comparison (ms): each exactly_once
+#: transaction spans one interval (docs/delivery.md: 100 ms is a good value).
+EOS_COMMIT_INTERVAL_MS = 100.0
+#: Open-loop rate of that comparison, as a fraction of the at_least_once saturation rate.
+EOS_LEVEL = 0.5
 
 
 def _f(value: Any, spec: str = ".1f") -> str:

@@ -8,6 +8,7 @@ from CLI flags. Nothing is read at import time.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import sys
@@ -25,8 +26,11 @@ from streamapp.faust_compat import (
     FaustSink,
     changelog_topics,
     event_context,
+    group_metadata,
     guard_undecodable_batches,
+    make_producer_transactional,
     producer_client,
+    recover_past_transaction_markers,
     screen_changelog,
     set_fetch_max_wait,
     set_producer_buffer_max,
@@ -46,6 +50,15 @@ from streamapp.settings import Settings, load_settings
 from streamapp.state import advertised_host, build_state
 from streamapp.tables.rows import RowScreen
 from streamapp.topology import TopicWatch
+from streamapp.transactions import (
+    TRANSACTION_TIMEOUT_MS,
+    LockedSink,
+    SendGate,
+    TransactionCommitter,
+    check_guarantee,
+    transactional_id,
+    use_group_metadata,
+)
 from streamapp.views import install_views
 
 __all__ = ["TableRetryStore", "create_app"]
@@ -148,6 +161,35 @@ class TableRetryStore:
         return self.screen.read(key, self.table.get(key))
 
 
+def _transactions(
+    app: faust.App, conf: Settings, faust_side: FaustConsumer
+) -> TransactionCommitter | None:
+    """With ``processing_guarantee="exactly_once"``: Faust's producer made transactional and
+    the committer of its transactions (:mod:`streamapp.transactions`); else None.
+
+    Raises:
+        ConfigError: exactly_once on the embedded broker (it has no transactions).
+    """
+    check_guarantee(conf)
+    if conf.processing_guarantee != "exactly_once":
+        return None
+    gate = SendGate()
+    committer = TransactionCommitter(
+        None, gate, group_id=app.conf.id, outputs_lock=asyncio.Lock(),
+        flush_buffer=app.producer.flush, crash=faust_side.crash,
+    )
+    instance = conf.group_instance_id or None
+
+    def started(producer: Any) -> None:
+        use_group_metadata(producer._sender, lambda: group_metadata(app, instance))
+        committer.on_started(producer)
+
+    make_producer_transactional(app, transactional_id(conf), gate.wrap, started,
+                                transaction_timeout_ms=TRANSACTION_TIMEOUT_MS)
+    recover_past_transaction_markers(app, conf)
+    return committer
+
+
 def create_app(settings: Settings | None = None) -> faust.App:
     """Build the worker's Faust app.
 
@@ -193,15 +235,20 @@ def create_app(settings: Settings | None = None) -> faust.App:
     check = PartitionCheck(app, conf)
     retry_store = TableRetryStore(retry_counts, check)
     faust_side = FaustConsumer(app, conf)
-    delivery = Delivery(faust_side, commit_interval_s=conf.commit_interval_ms / 1000.0)
+    transactions = _transactions(app, conf, faust_side)
+    delivery = Delivery(faust_side, commit_interval_s=conf.commit_interval_ms / 1000.0,
+                        transactions=transactions)
     # Acknowledgements count only on partitions that exist (a broker that came back empty
     # acknowledges records to vanished topics: streamapp.topology).
     watch = TopicWatch(
         conf.topics, lambda: producer_client(app),
         lambda problem: faust_side.crash(BrokerError(problem)),
     )
-    runtime = WorkerRuntime(conf, delivery, faust_side, ack_guard=watch)
-    sink = FaustSink(outputs, app)
+    runtime = WorkerRuntime(conf, delivery, faust_side, ack_guard=watch,
+                            transactions=transactions)
+    sink: Any = FaustSink(outputs, app)
+    if transactions is not None:
+        sink = LockedSink(sink, transactions.outputs_lock)
     state = build_state(app, conf, runtime, check)  # device tables and metrics
     install_views(app, state)  # /health /ready /engines /metrics /devices ...
     observers = state.observers
@@ -214,6 +261,10 @@ def create_app(settings: Settings | None = None) -> faust.App:
 
     @app.on_partitions_assigned.connect  # type: ignore[arg-type]
     async def on_assigned(app_: Any, assigned: set[Any], **kwargs: Any) -> None:
+        if transactions is not None:
+            # The producer's id is initialised first: that fences this worker's previous
+            # incarnation and ends its open transaction, before any committed offset is read.
+            await transactions.started.wait()
         try:  # before any table write: Faust would read an unknown changelog as 0 partitions
             await wait_for_metadata(app, dict.fromkeys(changelog_topics(app), partitions))
         except TablePartitionsError as exc:

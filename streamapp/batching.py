@@ -26,6 +26,13 @@ rejected before batching (bad input) are put with :meth:`~MicroBatcher.put_done`
 place in that order too. Every completion that is ready is handed to ``emit_many`` in one call,
 so the caller can produce them with one producer call per partition.
 
+A batch may be *screened* when it starts (``screen``): items put with ``screened=True`` are
+shown to the screen hook at the moment an in-flight slot is free and the run would begin, and
+the hook may complete some of them without running them (a queue policy: requests too old, or
+replaced by a newer one). Those keep their place in the put order, are not counted in the
+batch's size and never reach ``run_batch``; a batch left empty does not run at all. Batches
+holding no screened item skip the hook: a policy that is off costs nothing per item.
+
 Faust's ``stream.take()`` cannot be used for this: it stops filling its buffer while the body
 runs, so the next batch would only start assembling after the current one finished.
 """
@@ -43,7 +50,7 @@ from typing import Any, Generic, TypeVar
 
 from streamapp.tasks import cancel_and_wait
 
-__all__ = ["BatchInfo", "BatcherStats", "Completion", "MicroBatcher"]
+__all__ = ["BatchInfo", "BatcherStats", "Completion", "MicroBatcher", "Screen"]
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +60,9 @@ T = TypeVar("T")
 RunBatch = Callable[[Hashable, list[T]], Awaitable[Sequence[Any]]]
 #: ``emit_many(completions)``: every completion ready to go, in put order.
 EmitMany = Callable[[list["Completion[T]"]], Awaitable[None]]
+#: ``screen(key, items) -> None | one verdict per item``: called when a batch holding a screened
+#: item starts; a verdict that is not None completes its item with that result, unrun.
+Screen = Callable[[Hashable, list[T]], "Sequence[Any] | None"]
 
 
 @dataclass(frozen=True)
@@ -81,7 +91,8 @@ class Completion(Generic[T]):
     """The outcome of one item, delivered to ``emit`` in put order.
 
     Exactly one of ``result`` / ``error`` is meaningful: ``error`` is None on success.
-    ``batch`` is None for items put with :meth:`MicroBatcher.put_done`.
+    ``batch`` is None for items put with :meth:`MicroBatcher.put_done` and for items the
+    ``screen`` hook completed unrun (``result`` is then the hook's verdict).
     """
 
     item: T
@@ -101,6 +112,10 @@ class BatcherStats:
     closed_by_delay: int = 0
     closed_by_flush: int = 0
     failed_batches: int = 0
+    #: Items the ``screen`` hook completed without running them.
+    screened_out: int = 0
+    #: Batches not run because the ``screen`` hook completed every item.
+    empty_batches: int = 0
     max_pending_seen: int = 0
     max_inflight_seen: int = 0
 
@@ -114,7 +129,7 @@ class _Slot(Generic[T]):
 
 
 class _Batch(Generic[T]):
-    __slots__ = ("closed", "deadline", "due", "key", "opened_at", "slots", "timer")
+    __slots__ = ("closed", "deadline", "due", "key", "opened_at", "screened", "slots", "timer")
 
     def __init__(self, key: Hashable, opened_at: float, deadline: float) -> None:
         self.key = key
@@ -125,6 +140,8 @@ class _Batch(Generic[T]):
         self.closed = False
         #: The delay passed while every in-flight slot was busy: close when a slot frees.
         self.due = False
+        #: An item was put with ``screened=True``: the screen hook sees the batch at its start.
+        self.screened = False
 
 
 class MicroBatcher(Generic[T]):
@@ -153,6 +170,11 @@ class MicroBatcher(Generic[T]):
             batches even when intake, not the engine, is the limit. None: never held.
         max_batch_hold_ms: Longest a batch is held open for a backlog (ms, from its first
             item; at least ``max_batch_delay_ms``).
+        screen: ``(key, items) -> verdicts or None``, called when a batch that holds an item
+            put with ``screened=True`` starts (an in-flight slot is free), with every item of
+            the batch in put order. None (or an all-None list) runs the batch whole; a verdict
+            that is not None completes its item unrun with ``result`` = the verdict. It must
+            not raise (an exception is logged and the batch runs whole). None: no screening.
         clock: Monotonic seconds; tests pass a fake.
         sleep: ``async sleep(seconds)``; tests pass a fake that follows the fake clock.
 
@@ -172,6 +194,7 @@ class MicroBatcher(Generic[T]):
         max_pending: int | None = None,
         backlog: Callable[[], int] | None = None,
         max_batch_hold_ms: float = 0.0,
+        screen: Screen[T] | None = None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
     ) -> None:
@@ -197,6 +220,7 @@ class MicroBatcher(Generic[T]):
         self.max_inflight_batches = max_inflight_batches
         self.max_pending = max_pending
         self._backlog = backlog
+        self._screen = screen
         self.max_batch_hold_s = max(max_batch_hold_ms / 1000.0, self.max_batch_delay_s)
         self._clock = clock
         self._sleep = sleep
@@ -266,17 +290,18 @@ class MicroBatcher(Generic[T]):
             self._room.clear()
             await self._room.wait()
 
-    async def put(self, item: T, key: Hashable = None) -> None:
+    async def put(self, item: T, key: Hashable = None, *, screened: bool = False) -> None:
         """Add an item to the open batch for ``key`` (waits while ``max_pending`` are pending).
 
         Args:
             item: Anything; handed to ``run_batch`` and back in its :class:`Completion`.
             key: Batch key: items with different keys never share a batch.
+            screened: Show its batch to the ``screen`` hook when the batch starts.
         """
         await self.reserve()
-        self.put_nowait(item, key)
+        self.put_nowait(item, key, screened=screened)
 
-    def put_nowait(self, item: T, key: Hashable = None) -> None:
+    def put_nowait(self, item: T, key: Hashable = None, *, screened: bool = False) -> None:
         """:meth:`put` without waiting for room: call :meth:`reserve` first."""
         now = self._clock()
         slot: _Slot[T] = _Slot(Completion(item, put_at=now), done=False)
@@ -289,6 +314,8 @@ class MicroBatcher(Generic[T]):
             if self.max_batch_size > 1:
                 batch.timer = asyncio.create_task(self._expire(batch))
         batch.slots.append(slot)
+        if screened:
+            batch.screened = True
         if len(batch.slots) >= self.max_batch_size:
             self._close(batch, "size")
 
@@ -376,12 +403,51 @@ class MicroBatcher(Generic[T]):
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
+    def _screened(self, batch: _Batch[T]) -> list[_Slot[T]]:
+        """The slots of ``batch`` left to run after the ``screen`` hook completed the others."""
+        slots = batch.slots
+        if not batch.screened or self._screen is None:
+            return slots
+        try:
+            verdicts = self._screen(batch.key, [slot.completion.item for slot in slots])
+        except Exception:
+            log.exception("the batch screen failed; the batch of %d runs whole", len(slots))
+            return slots
+        if not verdicts:
+            return slots
+        if len(verdicts) != len(slots):
+            log.error("the batch screen gave %d verdicts for %d items; the batch runs whole",
+                      len(verdicts), len(slots))
+            return slots
+        kept: list[_Slot[T]] = []
+        for slot, verdict in zip(slots, verdicts, strict=True):
+            if verdict is None:
+                kept.append(slot)
+            else:
+                slot.completion.result = verdict
+                slot.done = True
+        if len(kept) < len(slots):
+            self.stats.screened_out += len(slots) - len(kept)
+            self._progress.set()
+        return kept
+
+    def _release_slot(self) -> None:
+        """Free an in-flight slot and wake the batches waiting for one."""
+        self._inflight_slots.release()
+        freed, self._slot_freed = self._slot_freed, asyncio.Event()
+        freed.set()
+
     async def _run(self, batch: _Batch[T], reason: str, closed_at: float) -> None:
+        slots = self._screened(batch)
+        if not slots:  # every item was completed unrun: no engine run, no batch
+            self.stats.empty_batches += 1
+            self._release_slot()
+            return
         self._inflight += 1
         self.stats.max_inflight_seen = max(self.stats.max_inflight_seen, self._inflight)
         batch_id = f"b{next(self._ids)}"
         started_at = self._clock()
-        items = [slot.completion.item for slot in batch.slots]
+        items = [slot.completion.item for slot in slots]
         results: Sequence[Any] | None = None
         error: BaseException | None = None
         try:
@@ -397,15 +463,13 @@ class MicroBatcher(Generic[T]):
             self.stats.failed_batches += 1
         finally:
             self._inflight -= 1
-            self._inflight_slots.release()
-            freed, self._slot_freed = self._slot_freed, asyncio.Event()
-            freed.set()
+            self._release_slot()
         info = BatchInfo(
             batch_id, len(items), reason, batch.opened_at, closed_at, started_at, self._clock()
         )
         self.stats.batches += 1
         setattr(self.stats, f"closed_by_{reason}", getattr(self.stats, f"closed_by_{reason}") + 1)
-        for i, slot in enumerate(batch.slots):
+        for i, slot in enumerate(slots):
             slot.completion.batch = info
             if error is not None:
                 slot.completion.error = error

@@ -15,7 +15,7 @@ import typer
 from aiokafka.errors import KafkaConnectionError, KafkaError
 
 from engines.exceptions import EngineError
-from streamapp.exceptions import ConfigError, PublishError, StreamAppError
+from streamapp.exceptions import ConfigError, PublishError, SecurityError, StreamAppError
 from streamapp.settings import Settings
 
 __all__ = ["cli", "main"]
@@ -63,9 +63,21 @@ def _unreachable(bootstrap: str, exc: BaseException) -> str:
     )
 
 
-def _error_line(exc: BaseException, bootstrap: str) -> str:
+def _error_line(exc: BaseException, bootstrap: str, settings: Any = None) -> str:
     """The one line every command prints for a failure: a Kafka client error, or one of ours
-    that a broker which did not answer caused, as :func:`_unreachable` words it; ours else."""
+    that a broker which did not answer caused, as :func:`_unreachable` words it; ours else.
+    A refused login, certificate or ACL says which (:class:`SecurityError`; with
+    ``settings``, a Kafka client error is looked into:
+    :func:`streamapp.kafka.connection_error`)."""
+    if isinstance(exc, SecurityError):
+        return str(exc)
+    client_error = exc if isinstance(exc, KafkaError) else exc.__cause__
+    if settings is not None and isinstance(client_error, KafkaError):
+        from streamapp.kafka import connection_error
+
+        found = connection_error(settings, client_error, "")
+        if isinstance(found, SecurityError):
+            return str(found)
     if isinstance(exc, KafkaError):
         return _unreachable(bootstrap, exc)
     if isinstance(exc.__cause__, KafkaConnectionError) and not isinstance(exc, PublishError):
@@ -106,14 +118,21 @@ def broker(
         "instead of the embedded broker.")] = False,
     data_dir: Annotated[Optional[Path], typer.Option(
         help="With --kafka: keep the data here (default: a temporary directory).")] = None,
+    secure: Annotated[bool, typer.Option(
+        "--secure", help="With --kafka: a SASL_SSL listener (SCRAM-SHA-512, a CA made for "
+        "the run), the StandardAuthorizer, users admin, worker and publisher with the ACLs of "
+        "docs/deployment.md, and the topics of STREAMAPP_APP_ID; each user's settings are "
+        "written to <data dir>/client-<user>.env (mode 0600).")] = False,
 ) -> None:
     """Run the embedded Kafka-compatible broker (Tansu), or Apache Kafka with --kafka, on
     127.0.0.1 until Ctrl-C; prints "bootstrap: HOST:PORT"."""
     _check_port(port)
+    if secure and not kafka:
+        raise _fail("--secure needs --kafka (the embedded broker has no TLS or SASL)", 2)
     if kafka:
         from streamapp.kafka_server import run_kafka_forever
 
-        raise typer.Exit(run_kafka_forever(port, data_dir))
+        raise typer.Exit(run_kafka_forever(port, data_dir, secure=secure))
     if data_dir is not None:
         raise _fail("--data-dir needs --kafka (the embedded broker keeps data in memory)", 2)
     from streamapp.broker import run_broker_forever
@@ -212,9 +231,11 @@ def worker(
         create_topics,
         kafka_security_options,
         resolve_broker_kind,
+        run_sync,
     )
     from streamapp.partitions import plan_partitions
-    from streamapp.settings import load_settings
+    from streamapp.settings import load_settings, web_token
+    from streamapp.transactions import check_guarantee
 
     _check_port(web_port, "--web-port", free="a free port")
     flags: dict[str, Any] = dict(
@@ -229,6 +250,8 @@ def worker(
     try:
         settings = resolve_broker_kind(load_settings(**flags))
         bootstrap = settings.bootstrap_servers
+        web_token(settings)  # an unusable web_token_file: one line now, not in every child
+        check_guarantee(settings)  # exactly_once needs transactions: before any start
         if processes is None:
             use_event_loop(settings.event_loop)
         # One process per data directory (RocksDB): fail here, before joining the group.
@@ -239,7 +262,13 @@ def worker(
         facts = cluster_facts(settings)
         plan = plan_partitions(settings, facts.partitions)
         notes = list(plan.notes)
-        settings = settings.model_copy(update={"topic_partitions": plan.partitions})
+        update: dict[str, Any] = {"topic_partitions": plan.partitions}
+        if processes is None and settings.web_port == 0:  # a single worker: pick it now
+            from streamapp.children import free_port
+
+            update["web_port"] = free_port(settings.web_bind)
+            notes.append(f"web port 0: this worker serves on port {update['web_port']}")
+        settings = settings.model_copy(update=update)
         # Window sizes are fixed for a deployment: refuse others than the stored state's.
         from streamapp.tables.stored_windows import check_stored_windows
 
@@ -270,6 +299,12 @@ def worker(
             configs={name: {"cleanup.policy": "compact", **settings.changelog_topic_configs}
                      for name in changelogs},
         )
+        if settings.security_protocol.startswith("SASL_") and settings.broker_kind == "kafka":
+            from streamapp.acls import check_worker_acls
+
+            # a missing ACL: one line now, not produce errors while the worker keeps reading
+            run_sync(lambda: check_worker_acls(
+                settings, changelogs, security=kafka_security_options(settings)))
     except (StreamAppError, EngineError) as exc:
         raise _fail(_error_line(exc, bootstrap)) from None
     logging.getLogger("aiokafka").setLevel(aiokafka_level)
@@ -409,7 +444,7 @@ def publish(
             )
         )
     except (StreamAppError, KafkaError) as exc:
-        raise _fail(_error_line(exc, settings.bootstrap_servers)) from None
+        raise _fail(_error_line(exc, settings.bootstrap_servers, settings)) from None
     span = sent[-1].sent_at - sent[0].sent_at if len(sent) > 1 else 0.0
     senders = f"device {device}" if device else f"{min(devices, len(sent))} devices"
     frames = f"{len(sent)} frame{'s' * (len(sent) != 1)}"
@@ -536,13 +571,13 @@ async def _print_tail(
                 show([entry], False)
 
 
-def _run_tail(bootstrap: str, run: Callable[[], Coroutine[Any, Any, None]]) -> None:
+def _run_tail(settings: Any, run: Callable[[], Coroutine[Any, Any, None]]) -> None:
     """``asyncio.run(run())`` with our errors as one line, and Ctrl-C as a clean end."""
     _quiet_kafka_client()
     try:
         asyncio.run(run())
     except (StreamAppError, KafkaError) as exc:
-        raise _fail(_error_line(exc, bootstrap)) from None
+        raise _fail(_error_line(exc, settings.bootstrap_servers, settings)) from None
     except KeyboardInterrupt:
         pass
 
@@ -596,7 +631,7 @@ def dlq_tail(
                 limit=limit, follow=follow, show=show, summary=summary,
             )
 
-    _run_tail(settings.bootstrap_servers, run)
+    _run_tail(settings, run)
 
 
 @dlq_cli.command("replay")
@@ -713,7 +748,7 @@ def results_tail(
                 limit=limit, follow=follow, show=show, summary=summary,
             )
 
-    _run_tail(settings.bootstrap_servers, run)
+    _run_tail(settings, run)
 
 
 # -- tables (streamapp.rebuild) -----------------------------------------------------------------
@@ -927,23 +962,25 @@ def status(
 ) -> None:
     """Terminal view of workers: throughput, DLQ rate, p50/p99, batch size, lag, top devices.
 
+    Sends the web token (STREAMAPP_WEB_TOKEN or STREAMAPP_WEB_TOKEN_FILE) when one is set.
     Exits 1 when a worker is unreachable or not ready (without --watch).
     """
-    from streamapp.settings import load_settings
+    from streamapp.settings import load_settings, web_token
     from streamapp.status import run_status, supervised_urls
 
     restarts = supervisor_dir = None
+    try:
+        current = load_settings(data_dir=data_dir)
+        token = web_token(current)
+    except StreamAppError as exc:
+        raise _fail(str(exc)) from None
     if not urls:
-        try:
-            current = load_settings(data_dir=data_dir)
-        except StreamAppError as exc:
-            raise _fail(str(exc)) from None
         restarts = supervised_urls(current.data_dir)
         supervisor_dir = current.data_dir if restarts else None
         urls = list(restarts) if restarts else [f"http://127.0.0.1:{current.web_port}"]
     raise typer.Exit(run_status(urls, interval_s=interval, watch=watch, top=top,
                                 discover_peers=discover, restarts=restarts,
-                                supervisor_dir=supervisor_dir))
+                                supervisor_dir=supervisor_dir, token=token))
 
 
 def main() -> None:

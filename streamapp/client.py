@@ -27,7 +27,13 @@ from tqdm import tqdm
 from streamapp.codecs import CodecName, decode_dead_letter, decode_result, encode_request
 from streamapp.exceptions import BrokerError, FrameError, PublishError, ReplyTimeoutError
 from streamapp.frames import Frame, make_request
-from streamapp.kafka import describe_error, ensure_topics, partitions_of, start_or_close
+from streamapp.kafka import (
+    IsolationLevel,
+    describe_error,
+    ensure_topics,
+    partitions_of,
+    start_or_close,
+)
 from streamapp.records import DeadLetter, InferenceRequest, TensorPayload
 from streamapp.replies import Reply, ReplyWaiter
 from streamapp.settings import DEFAULT_TOPIC_PARTITIONS
@@ -259,7 +265,7 @@ async def publish(
             now = time.time()
             stamped = InferenceRequest(
                 request.request_id, request.device_id, request.seq, now, request.model,
-                request.tensor, request.image,
+                request.tensor, request.image, deadline=request.deadline,
             )
             fut = await producer.send(
                 topic, encode_request(stamped, codec), key=request.device_id.encode()
@@ -337,6 +343,7 @@ async def collect_outcomes(
     timeout_s: float = 60.0,
     progress_total: int | None = None,
     security: Mapping[str, Any] | None = None,
+    isolation_level: IsolationLevel = "read_committed",
 ) -> Outcomes:
     """Read both topics from the beginning until ``done(outcomes)`` or the timeout.
 
@@ -345,6 +352,10 @@ async def collect_outcomes(
         timeout_s: Give up after this long and return what was read (callers check counts).
         progress_total: Show a progress bar of outcomes read towards this total.
         security: aiokafka security options (:func:`kafka_security_options`); None: plaintext.
+        isolation_level: ``"read_committed"`` (default): only records of committed
+            transactions (what an exactly_once worker promises to show once; at_least_once
+            workers write no transactions, so it reads the same there);
+            ``"read_uncommitted"``: also those of open and aborted ones.
 
     Returns:
         What was read.
@@ -357,6 +368,7 @@ async def collect_outcomes(
         # short fetch waits: the embedded broker holds an empty fetch for the whole wait, which
         # would add up to 500 ms (aiokafka's default) to every latency measured here
         fetch_max_wait_ms=10,
+        isolation_level=isolation_level,
         **(security or {}),
     )
     await start_or_close(consumer)

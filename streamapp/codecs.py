@@ -24,6 +24,7 @@ from streamapp.records import DeadLetter, InferenceRequest, TensorPayload, devic
 
 __all__ = [
     "ALLOWED_DTYPES",
+    "MAX_DEADLINE_MS",
     "MAX_ID_CHARS",
     "MAX_REQUEST_TS_AHEAD_S",
     "MIN_REQUEST_TS",
@@ -57,6 +58,7 @@ REASONS: dict[str, str] = {
     "image_too_large": "the image header claims more pixels than max_image_pixels allows",
     "bad_tensor": "the tensor's data does not match its dtype and shape, or is not valid base64",
     "bad_timestamp": "ts is before 2001-01-01 or more than a day ahead of the worker's clock",
+    "bad_deadline": "deadline is not a number of milliseconds above 0 and at most one day",
     "empty_key": "the record has no key (null or empty); key requests by device_id",
     "key_mismatch": "the record key is not the request's device_id (UTF-8)",
     "unknown_model": "the model is not loaded by this worker",
@@ -89,6 +91,10 @@ MIN_REQUEST_TS = 978_307_200.0
 #: tolerates skewed device clocks and time-zone mistakes, and rejects epoch milliseconds sent
 #: as seconds (tens of thousands of years ahead).
 MAX_REQUEST_TS_AHEAD_S = 86_400.0
+
+#: Longest relative deadline a request may carry (milliseconds): one day. Longer is no deadline
+#: for a stream of frames, and a value in microseconds or seconds-since-epoch lands above it.
+MAX_DEADLINE_MS = 86_400_000.0
 
 #: numpy's type codes of the element types a request tensor may have, by name.
 _DTYPE_CODES: dict[str, str] = {
@@ -152,6 +158,8 @@ def encode_request(request: InferenceRequest, codec: CodecName = "json") -> byte
         }
     if request.image is not None:
         body["image"] = request.image if binary else base64.b64encode(request.image).decode()
+    if request.deadline is not None:  # optional: absent, old workers and readers see no change
+        body["deadline"] = request.deadline
     if binary:
         return msgpack.packb(body, use_bin_type=True)
     return json.dumps(body, separators=(",", ":")).encode()
@@ -437,6 +445,9 @@ def _request_from_body(body: dict[str, Any], *, binary: bool, now: float) -> Inf
             "leave it out for the model's current version",
         )
     _check_ts(ts, now)  # after the structure: a malformed request is reported as such first
+    deadline = body.get("deadline")
+    if deadline is not None:
+        deadline = _deadline(deadline)
     return InferenceRequest(
         request_id=fields["request_id"],
         device_id=fields["device_id"],
@@ -446,7 +457,34 @@ def _request_from_body(body: dict[str, Any], *, binary: bool, now: float) -> Inf
         tensor=tensor,
         image=image,
         model_version=version,
+        deadline=deadline,
     )
+
+
+def _deadline(value: Any) -> float:
+    """A request's ``deadline`` (milliseconds) as a float, checked.
+
+    Raises:
+        InvalidRequestError: ``wrong_type`` (not a number) or ``bad_deadline`` (not finite, not
+            above 0, or above :data:`MAX_DEADLINE_MS`).
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidRequestError(
+            "wrong_type", f"field 'deadline' is {type(value).__name__}, expected a number of "
+            "milliseconds (or null for none)"
+        )
+    try:
+        ms = float(value)
+    except OverflowError:
+        ms = math.inf
+    if not (math.isfinite(ms) and 0.0 < ms <= MAX_DEADLINE_MS):
+        raise InvalidRequestError(
+            "bad_deadline",
+            f"field 'deadline' is {_short(value)}; it is how old the request may be when its "
+            f"batch would start, in milliseconds: a number above 0 and at most "
+            f"{MAX_DEADLINE_MS:.0f} (one day), or null for the model's policy",
+        )
+    return ms
 
 
 def _bytes_field(value: Any, name: str, *, binary: bool) -> bytes:

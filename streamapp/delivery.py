@@ -34,7 +34,7 @@ from streamapp.faust_compat import StandInEvent
 from streamapp.offsets import TP, OffsetTracker, PartitionState
 from streamapp.tasks import cancel_and_wait
 
-__all__ = ["GAP_IDLE_S", "Consumer", "Delivery", "DeliveryStats", "Record"]
+__all__ = ["GAP_IDLE_S", "Consumer", "Delivery", "DeliveryStats", "Record", "Transactions"]
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,16 @@ GAP_IDLE_S = 2.0
 
 #: ``(offset, key, value)`` of a record read directly from a partition.
 Record = tuple[int, bytes | None, bytes | None]
+
+
+class Transactions(Protocol):
+    """Commits source offsets in the transaction of their outcomes
+    (:class:`streamapp.transactions.TransactionCommitter`)."""
+
+    async def commit(self, committable: Callable[[], Mapping[TP, int]]) -> Mapping[TP, int]:
+        """Commit the open transaction with the offsets ``committable()`` gives once every
+        outcome so far settled; returns those committed (empty: none, or it failed)."""
+        ...
 
 
 class Consumer(Protocol):
@@ -102,12 +112,19 @@ class Delivery:
         commit_interval_s: Seconds between periodic commits.
         gap_idle_s: Seconds without any admitted record before :meth:`sweep_gaps` compares
             positions (default :data:`GAP_IDLE_S`).
+        transactions: With ``processing_guarantee="exactly_once"``: offsets are committed in
+            the transaction of the outcomes (:mod:`streamapp.transactions`), always for every
+            partition at once (a transaction commits all or nothing).
     """
 
     def __init__(
-        self, consumer: Consumer, *, commit_interval_s: float, gap_idle_s: float = GAP_IDLE_S
+        self, consumer: Consumer, *, commit_interval_s: float, gap_idle_s: float = GAP_IDLE_S,
+        transactions: Transactions | None = None,
     ) -> None:
         self.consumer = consumer
+        #: Commits offsets inside a transaction with the outcomes (exactly_once), else None:
+        #: the consumer commits them.
+        self.transactions = transactions
         self.tracker = OffsetTracker(consumer.committed_or_earliest)
         self.stats = DeliveryStats()
         self.commit_interval_s = commit_interval_s
@@ -348,7 +365,14 @@ class Delivery:
     # -- commits and rebalances -------------------------------------------------------------------
 
     async def commit_now(self, only: set[TP] | None = None) -> None:
-        """Commit every partition's finished prefix (or only those in ``only``)."""
+        """Commit every partition's finished prefix (or only those in ``only``; in a
+        transaction always every partition's)."""
+        if self.transactions is not None:
+            committed = await self.transactions.commit(self.tracker.committable)
+            if committed:
+                self.tracker.mark_committed(dict(committed))
+                self.stats.commits += 1
+            return
         offsets = self.tracker.committable()
         if only is not None:
             offsets = {tp: o for tp, o in offsets.items() if tp in only}
@@ -366,6 +390,14 @@ class Delivery:
         while True:
             await asyncio.sleep(self.commit_interval_s)
             await self.commit_now()
+
+    def current(self, message: SourceMessage) -> bool:
+        """Whether ``message`` was admitted in its partition's current assignment (False once
+        the partition was revoked or reassigned since: its outcome must not be produced in
+        exactly_once mode, the partition's next reader answers it)."""
+        owner = getattr(message.ack, "func", None)
+        return getattr(owner, "__self__", None) is self.tracker.state(
+            (message.topic, message.partition))
 
     def on_assigned(self, assigned: Iterable[TP]) -> None:
         """Partitions were (re)assigned: from now on only records of ``assigned`` are admitted,

@@ -19,6 +19,7 @@ __all__ = [
     "ModelSwapError",
     "PublishError",
     "ReplyTimeoutError",
+    "SecurityError",
     "StreamAppError",
     "TableUnavailableError",
 ]
@@ -40,6 +41,14 @@ class BrokerError(StreamAppError):
     """The embedded broker could not be started, reached or stopped."""
 
     reason = "broker_error"
+
+
+class SecurityError(BrokerError):
+    """The broker refused the TLS handshake or the SASL login, or denied an operation (an ACL
+    is missing): a configuration problem that no retry helps."""
+
+    retriable = False
+    reason = "broker_security"
 
 
 class TableUnavailableError(StreamAppError):

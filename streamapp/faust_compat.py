@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from collections.abc import Awaitable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,11 +31,14 @@ __all__ = [
     "commit_offsets",
     "committed_or_earliest",
     "event_context",
+    "group_metadata",
     "guard_undecodable_batches",
+    "make_producer_transactional",
     "make_worker",
     "partition_marks",
     "producer_buffer_stalled",
     "producer_client",
+    "recover_past_transaction_markers",
     "screen_changelog",
     "set_fetch_max_wait",
     "set_producer_buffer_max",
@@ -217,6 +220,91 @@ def set_read_committed(app: Any) -> bool:
         return False
     fetcher._isolation_level = READ_COMMITTED
     return True
+
+
+def make_producer_transactional(
+    app: Any, transactional_id: str, wrap_send: Callable[[Any], Any],
+    on_started: Callable[[Any], None], *, transaction_timeout_ms: int,
+) -> None:
+    """Make the aiokafka producer Faust starts for ``app`` transactional (our batch sink and
+    Faust's table changelogs both write through it: :mod:`streamapp.transactions`).
+
+    Faust 0.15.3 builds that producer in ``Producer._new_producer()`` on start, with
+    ``transactional_id=None`` unless its own (per-partition) exactly-once mode is on. The patch
+    passes ``transactional_id``, idempotence and ``acks=all``; once the producer started (its
+    producer id initialised, which fences an earlier instance of the id and waits for its open
+    transaction to end), a first transaction begins, before anything can be sent. ``send`` and
+    ``send_batch`` are replaced by ``wrap_send(method)``; ``on_started(producer)`` is called
+    with the new aiokafka producer once it started and began (once per start).
+    ``transaction_timeout_ms``: how long the broker keeps a transaction of a dead producer
+    open before it aborts it (read_committed readers wait that long behind it).
+    """
+    producer = app.producer
+    new_producer = producer._new_producer
+
+    def transactional(transactional_id_: str | None = None) -> Any:
+        client = new_producer(transactional_id=transactional_id)
+        started = client.start
+
+        async def start_and_begin() -> None:
+            await started()
+            await client.begin_transaction()
+            on_started(client)
+
+        client.start = start_and_begin
+        client.send = wrap_send(client.send)
+        client.send_batch = wrap_send(client.send_batch)
+        return client
+
+    settings_extra = producer._settings_extra
+    producer._new_producer = transactional
+    producer._settings_extra = lambda: {
+        **settings_extra(), "acks": "all", "enable_idempotence": True,
+        "transaction_timeout_ms": transaction_timeout_ms,
+    }
+
+
+def recover_past_transaction_markers(app: Any, settings: Settings) -> None:
+    """Let table recovery end on changelogs written in transactions (exactly_once).
+
+    Faust 0.15.3 restores a changelog partition until it applied the record at the partition's
+    high watermark - 1. Written in transactions, a partition ends with a transaction marker
+    (and records of aborted transactions), which the consumer never hands out: recovery then
+    never ended (the worker logged "No event received for active tp" forever). Faust's own
+    fix-up runs only in its exactly-once mode and only after two 5 s idle timeouts. The patch
+    replaces each target of ``Recovery._build_highwaters`` by the offset of the partition's
+    last committed record (:func:`streamapp.kafka.last_data_offsets`), so recovery ends when
+    that record is applied.
+    """
+    from streamapp.kafka import last_data_offsets
+
+    recovery = app.tables.recovery
+    build_highwaters = recovery._build_highwaters
+
+    async def to_last_records(consumer: Any, tps: Any, destination: Any, title: str) -> None:
+        await build_highwaters(consumer, tps, destination, title)
+        wanted = [(tp.topic, tp.partition) for tp in tps if destination.get(tp, -1) >= 0]
+        lasts = await last_data_offsets(settings.bootstrap_servers, wanted,
+                                        security=kafka_security_options(settings))
+        for tp in tps:
+            last = lasts.get((tp.topic, tp.partition))
+            if last is not None and last != destination.get(tp):
+                destination[tp] = last
+
+    recovery._build_highwaters = to_last_records
+
+
+def group_metadata(app: Any, group_instance_id: str | None) -> Any:
+    """The consumer group generation and member id of the worker's consumer (Faust's aiokafka
+    consumer, run in its consumer thread), as a
+    :class:`streamapp.transactions.GroupMetadata`; generation -1 when not joined."""
+    from streamapp.transactions import GroupMetadata
+
+    consumer = getattr(getattr(app.consumer, "_thread", None), "_consumer", None)
+    coordinator = getattr(consumer, "_coordinator", None)
+    generation = getattr(coordinator, "generation", -1)
+    member_id = getattr(coordinator, "member_id", "") or ""
+    return GroupMetadata(int(generation), str(member_id), group_instance_id or None)
 
 
 def tolerate_stale_member_url(app: Any) -> None:

@@ -15,37 +15,56 @@ import re
 import ssl
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewPartitions, NewTopic
 from aiokafka.client import AIOKafkaClient
-from aiokafka.errors import KafkaError, for_code
+from aiokafka.errors import (
+    AuthenticationFailedError,
+    ClusterAuthorizationFailedError,
+    GroupAuthorizationFailedError,
+    KafkaError,
+    SaslAuthenticationFailed,
+    TopicAuthorizationFailedError,
+    TransactionalIdAuthorizationFailed,
+    UnsupportedSaslMechanismError,
+    for_code,
+)
 
-from streamapp.exceptions import BrokerError, ConfigError
+from streamapp.exceptions import BrokerError, ConfigError, SecurityError
 from streamapp.settings import Settings
 
 log = logging.getLogger(__name__)
 
 __all__ = [
     "ClusterFacts",
+    "IsolationLevel",
     "add_partitions",
     "cluster_facts",
+    "connection_error",
     "create_topics",
+    "denied_line",
     "describe_error",
     "ensure_topics",
     "kafka_security_options",
+    "last_data_offsets",
     "partitions_of",
     "probe_metadata",
     "read_partition_range",
     "read_partition_tails",
     "run_sync",
+    "security_problem",
     "ssl_context",
     "start_or_close",
     "with_admin",
 ]
+
+#: How a reader treats transactions (aiokafka's ``isolation_level``): ``read_committed`` hands
+#: out records of committed transactions only, ``read_uncommitted`` every record.
+IsolationLevel = Literal["read_committed", "read_uncommitted"]
 
 
 def describe_error(exc: BaseException) -> str:
@@ -137,6 +156,109 @@ def kafka_security_options(settings: Settings) -> dict[str, Any]:
     return options
 
 
+#: OpenSSL's X509_V_ERR_HOSTNAME_MISMATCH and the codes of a chain no trusted CA signed.
+_HOSTNAME_MISMATCH = 62
+_UNTRUSTED = frozenset({18, 19, 20, 21, 27})
+#: Kafka's authorization errors (an ACL is missing), by the resource they name.
+_DENIED = {
+    TopicAuthorizationFailedError: "the topic", GroupAuthorizationFailedError: "the group",
+    ClusterAuthorizationFailedError: "the cluster",
+    TransactionalIdAuthorizationFailed: "the transactional id",
+}
+
+
+def denied_line(settings: Settings, exc: BaseException) -> str | None:
+    """One line for an authorization error (a Kafka ACL is missing), else None.
+
+    Names the user and the resource Kafka named, and where the worker's and the publisher's
+    ACLs are listed; never a password.
+    """
+    for kind, what in _DENIED.items():
+        if isinstance(exc, kind):
+            user = settings.sasl_username or "ANONYMOUS"
+            return (
+                f"the broker denied user {user!r} access to {what} "
+                f"({describe_error(exc)}): grant it the ACLs docs/deployment.md lists for a "
+                "worker or a publisher (streamapp.acls), or use another user"
+            )
+    return None
+
+
+async def security_problem(settings: Settings, timeout_s: float = 10.0) -> str | None:
+    """Why the TLS handshake or the SASL login with the first bootstrap server that answers
+    fails, in one line (what is wrong with which setting, and how to fix it); None when one of
+    them accepts the connection, none can be reached at all, or no security is configured.
+
+    aiokafka logs these causes but raises only "Unable to bootstrap": this connects once more,
+    by hand, to learn them. Never names a password.
+    """
+    if settings.security_protocol == "PLAINTEXT":
+        return None
+    from aiokafka.conn import create_conn
+
+    options = kafka_security_options(settings)
+    found: str | None = None
+    for server in settings.bootstrap_servers.split(","):
+        host, _, port = server.rpartition(":")
+        try:
+            conn = await asyncio.wait_for(
+                create_conn(host, int(port), request_timeout_ms=int(timeout_s * 1000),
+                            **options),
+                timeout_s)
+        except ssl.SSLCertVerificationError as exc:
+            found = _certificate_problem(settings, server, exc)
+        except ssl.SSLError as exc:
+            found = (
+                f"the TLS handshake with {server} failed ({exc.reason or exc}): is it a TLS "
+                f"listener? security_protocol is {settings.security_protocol} "
+                "(STREAMAPP_SECURITY_PROTOCOL)"
+            )
+        except (SaslAuthenticationFailed, AuthenticationFailedError):
+            found = (
+                f"{server} refused the login of user {settings.sasl_username!r} with "
+                f"{settings.sasl_mechanism}: wrong user name or password "
+                "(STREAMAPP_SASL_USERNAME, STREAMAPP_SASL_PASSWORD), or the user has no "
+                f"{settings.sasl_mechanism} credentials on the broker"
+            )
+        except UnsupportedSaslMechanismError:
+            found = (
+                f"{server} does not accept SASL mechanism {settings.sasl_mechanism}: set "
+                "STREAMAPP_SASL_MECHANISM to one its listener enables"
+            )
+        except (OSError, TimeoutError, KafkaError):
+            continue  # unreachable: the caller's own message says so
+        else:
+            conn.close()
+            return None
+        if found is not None:
+            return found
+    return found
+
+
+def _certificate_problem(
+    settings: Settings, server: str, exc: ssl.SSLCertVerificationError
+) -> str:
+    host = server.rpartition(":")[0]
+    if exc.verify_code == _HOSTNAME_MISMATCH:
+        return (
+            f"the certificate of {server} does not name {host!r} ({exc.verify_message}): "
+            "connect by a name or address the certificate holds (--broker), or, on a trusted "
+            "network only, set STREAMAPP_SSL_CHECK_HOSTNAME=false"
+        )
+    ca = f"ssl_cafile {str(settings.ssl_cafile)!r}" if settings.ssl_cafile else (
+        "the system's trust store (ssl_cafile is not set)")
+    if exc.verify_code in _UNTRUSTED:
+        return (
+            f"the certificate of {server} is not signed by a CA in {ca} "
+            f"({exc.verify_message}): set STREAMAPP_SSL_CAFILE to the PEM file of the CA "
+            "that signed the brokers' certificates"
+        )
+    return (
+        f"the certificate of {server} was refused ({exc.verify_message}); check it and "
+        f"{ca}"
+    )
+
+
 async def start_or_close(client: Any) -> None:
     """Start an aiokafka producer/consumer; if that fails, close it before re-raising (aiokafka
     leaves a half-started client behind otherwise, and warns about it at exit)."""
@@ -205,6 +327,61 @@ async def read_partition_range(
     finally:
         await consumer.stop()
     return out
+
+
+async def last_data_offsets(
+    bootstrap_servers: str,
+    tps: Sequence[tuple[str, int]],
+    *,
+    security: dict[str, Any] | None = None,
+    timeout_s: float = 10.0,
+) -> dict[tuple[str, int], int]:
+    """The offset of the last committed data record of each partition, read with
+    ``read_committed`` below its last stable offset; -1 for a partition without one.
+
+    With transactions a partition's last offsets are transaction markers (and records of
+    aborted transactions), which no consumer is handed: its high watermark - 1 is not the
+    offset of a record. Reads back from the end, doubling the tail read until a record is
+    found or the log start is reached.
+
+    Raises:
+        BrokerError: The broker did not answer within ``timeout_s``.
+    """
+    if not tps:
+        return {}
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap_servers, group_id=None, enable_auto_commit=False,
+        auto_offset_reset="earliest", isolation_level="read_committed", **(security or {}),
+    )
+    await start_or_close(consumer)
+    try:
+        parts = [TopicPartition(t, p) for t, p in tps]
+        consumer.assign(parts)
+        begin = await consumer.beginning_offsets(parts)
+        ends = await consumer.end_offsets(parts)
+        out = {(tp.topic, tp.partition): -1 for tp in parts}
+        deadline = time.monotonic() + timeout_s
+        for tp in parts:
+            tail, stop = 16, ends[tp]
+            while stop > begin[tp]:
+                start = max(begin[tp], stop - tail)
+                consumer.seek(tp, start)
+                last = -1
+                while await consumer.position(tp) < stop:
+                    if time.monotonic() > deadline:
+                        raise BrokerError(f"reading the end of {tp.topic}[{tp.partition}] took "
+                                          f"more than {timeout_s:g} s")
+                    batch = await consumer.getmany(tp, timeout_ms=200)
+                    for record in batch.get(tp, ()):
+                        if record.offset < stop:
+                            last = max(last, record.offset)
+                if last >= 0:
+                    out[(tp.topic, tp.partition)] = last
+                    break
+                stop, tail = start, tail * 2
+        return out
+    finally:
+        await consumer.stop()
 
 
 async def read_partition_tails(
@@ -375,12 +552,22 @@ async def ensure_topics(
         await admin.close()
     created: list[str] = []
     problems: list[str] = []
+    codes: dict[str, int] = {}
     for entry in response.to_object()["topic_errors"]:
         name, code, message = entry["topic"], entry["error_code"], entry.get("error_message")
+        codes[name] = code
         if code == 0:
             created.append(name)
         elif code != _TOPIC_ALREADY_EXISTS:  # created concurrently since list_topics: fine
             problems.append(f"{name!r}: {for_code(code).__name__} ({code}) {message or ''}".strip())
+    denied = [name for name, code in codes.items() if code == TopicAuthorizationFailedError.errno]
+    if denied:
+        raise SecurityError(
+            f"the broker at {bootstrap_servers} denied creating topics {sorted(denied)} "
+            "(TopicAuthorizationFailedError): this user may not create them, or not even see "
+            "them; create them as an administrator and grant the user the ACLs "
+            "docs/deployment.md lists for a worker or a publisher"
+        )
     if problems:
         raise BrokerError(
             f"The broker at {bootstrap_servers} refused to create topics: {'; '.join(problems)}. "
@@ -450,10 +637,21 @@ def cluster_facts(settings: Settings, timeout_s: float = 15.0) -> ClusterFacts:
     try:
         return run_sync(lambda: with_admin(settings, ask, timeout_s))
     except (KafkaError, OSError, TimeoutError) as exc:
-        raise BrokerError(
+        raise connection_error(
+            settings, exc,
             f"cannot read the topics of {settings.bootstrap_servers} ({describe_error(exc)}); "
-            "is the broker running, and are --broker and the security settings right?"
+            "is the broker running, and are --broker and the security settings right?",
         ) from exc
+
+
+def connection_error(settings: Settings, exc: BaseException, otherwise: str) -> BrokerError:
+    """The error to raise for a client error ``exc``: a refused login or certificate
+    (:func:`security_problem`), a missing ACL (:func:`denied_line`), else ``otherwise``.
+    Call it from synchronous code only (it may connect once more)."""
+    line = denied_line(settings, exc)
+    if line is None and settings.security_protocol != "PLAINTEXT":
+        line = run_sync(lambda: security_problem(settings))
+    return SecurityError(line) if line else BrokerError(otherwise)
 
 
 def add_partitions(
@@ -558,6 +756,9 @@ def detect_broker_kind(settings: Settings, timeout_s: float = 10.0) -> str:
     try:
         found = run_sync(cluster_id)
     except (KafkaError, OSError, TimeoutError) as exc:
+        problem = run_sync(lambda: security_problem(settings))
+        if problem is not None:
+            raise SecurityError(problem) from exc
         raise BrokerError(
             f"cannot tell which broker {settings.bootstrap_servers} is ({type(exc).__name__}: "
             f"{exc}); set STREAMAPP_BROKER_KIND to 'kafka' or 'embedded'"
@@ -573,6 +774,8 @@ def resolve_broker_kind(settings: Settings) -> Settings:
         return settings
     try:
         kind = detect_broker_kind(settings)
+    except SecurityError:
+        raise
     except BrokerError:
         log.warning("the broker at %s did not answer; assuming it is Apache Kafka (set "
                     "STREAMAPP_BROKER_KIND to skip this check)", settings.bootstrap_servers)

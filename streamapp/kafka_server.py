@@ -46,6 +46,7 @@ from typing import IO, Any
 from streamapp.children import free_port, popen_child, port_taken, read_tail, terminate_group
 from streamapp.exceptions import BrokerError
 from streamapp.kafka import describe_error, run_sync
+from streamapp.kafka_security import BrokerSecurity
 
 __all__ = [
     "KAFKA_VERSION",
@@ -277,9 +278,14 @@ class KafkaBroker:
             directory, deleted by :meth:`stop`. A given directory is kept, and a broker started
             on it again finds its data (it must have been formatted with the same node count).
         port: Client port of the first node (the others take free ports). ``None``: free ports.
-        host: Address to listen on and advertise (loopback; the broker has no authentication).
+        host: Address to listen on and advertise (loopback; without ``security`` the broker
+            has no authentication).
         start_timeout_s: Seconds a start may take until every node answers.
         extra_properties: More broker properties, overriding :func:`broker_properties`.
+        security: A SASL_SSL listener (SCRAM-SHA-512, a CA and certificate made in the data
+            directory at the first start, these users) and the ``StandardAuthorizer`` instead
+            of the PLAINTEXT listener (:mod:`streamapp.kafka_security`); ACLs are granted with
+            :func:`streamapp.acls.create_acls`.
     """
 
     def __init__(
@@ -291,6 +297,7 @@ class KafkaBroker:
         host: str = "127.0.0.1",
         start_timeout_s: float = 120.0,
         extra_properties: Mapping[str, str] | None = None,
+        security: BrokerSecurity | None = None,
     ) -> None:
         if nodes < 1:
             raise BrokerError(f"Invalid nodes={nodes!r}: a Kafka cluster needs at least 1 node.")
@@ -299,6 +306,7 @@ class KafkaBroker:
         self._requested_port = port
         self._start_timeout_s = start_timeout_s
         self._extra = dict(extra_properties or {})
+        self._security = security
         self._given_dir = Path(data_dir) if data_dir is not None else None
         self._dir: Path | None = None
         self._nodes: list[_Node] = []
@@ -310,6 +318,11 @@ class KafkaBroker:
     @property
     def host(self) -> str:
         return self._host
+
+    @property
+    def security(self) -> BrokerSecurity | None:
+        """The SASL_SSL setup (users, CA file), or None for a PLAINTEXT broker."""
+        return self._security
 
     @property
     def port(self) -> int:
@@ -531,6 +544,9 @@ class KafkaBroker:
             for i in range(self._n)
         ]
         voters = ",".join(f"{n.node_id}@{self._host}:{n.controller_port}" for n in self._nodes)
+        if self._security is not None:
+            self._security.prepare(self._dir, self._host)
+        scram = self._security.scram_arguments() if self._security is not None else []
         for node in self._nodes:
             self._write_properties(node, voters)
         unformatted = [n for n in self._nodes if not (n.data_dir / "meta.properties").is_file()]
@@ -540,7 +556,7 @@ class KafkaBroker:
                 _jvm_command(
                     # "=": an id kept in a data directory from before may start with "-".
                     "kafka.tools.StorageTool", "format", f"--cluster-id={self._cluster_id}",
-                    "-c", str(self._properties_path(node)), "--ignore-formatted",
+                    "-c", str(self._properties_path(node)), "--ignore-formatted", *scram,
                 ),
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             ))
@@ -574,8 +590,13 @@ class KafkaBroker:
             **broker_properties(self._n),
             **self._extra,
         }
+        if self._security is not None:
+            props |= self._security.properties(self._host, node.port, node.controller_port)
         text = "".join(f"{key}={value}\n" for key, value in props.items())
-        self._properties_path(node).write_text(text)
+        path = self._properties_path(node)
+        # mode 0600 before anything is written: with security it holds the admin password
+        path.touch(mode=0o600)
+        path.write_text(text)
 
     def _launch(self, index: int) -> None:
         node = self._nodes[index]
@@ -605,7 +626,8 @@ class KafkaBroker:
                     f"Its log ({node.log_path}) ends:\n{self.log_tail(index=index)}"
                 )
             try:
-                seen = run_sync(functools.partial(_count_brokers, self._host, node.port))
+                seen = run_sync(functools.partial(
+                    _count_brokers, self._host, node.port, self._client_options()))
             except Exception as err:  # refused, timeouts and aiokafka errors while starting
                 seen, last = 0, describe_error(err)
             if seen >= self._n:
@@ -620,6 +642,10 @@ class KafkaBroker:
                     f"({node.log_path}) ends:\n{self.log_tail(index=index)}"
                 )
             time.sleep(_POLL_INTERVAL_S)
+
+    def _client_options(self) -> dict[str, Any]:
+        """aiokafka security options of the super user (``{}`` without security)."""
+        return self._security.client_options() if self._security is not None else {}
 
     def _signal_all(self, signum: int) -> None:
         for node in self._nodes:
@@ -646,7 +672,7 @@ def _new_cluster_id() -> str:
             return cluster_id
 
 
-async def _count_brokers(host: str, port: int) -> int:
+async def _count_brokers(host: str, port: int, security: Mapping[str, Any]) -> int:
     """Brokers listed in a metadata answer from ``host:port`` (raises while it cannot answer)."""
     import asyncio
 
@@ -657,7 +683,8 @@ async def _count_brokers(host: str, port: int) -> int:
     from aiokafka.client import AIOKafkaClient
 
     client = AIOKafkaClient(
-        bootstrap_servers=f"{host}:{port}", request_timeout_ms=int(_PROBE_TIMEOUT_S * 1000)
+        bootstrap_servers=f"{host}:{port}", request_timeout_ms=int(_PROBE_TIMEOUT_S * 1000),
+        **security,
     )
     try:
         await asyncio.wait_for(client.bootstrap(), 2 * _PROBE_TIMEOUT_S)
@@ -667,7 +694,7 @@ async def _count_brokers(host: str, port: int) -> int:
         await client.close()
 
 
-def run_kafka_forever(port: int | None, data_dir: Path | None) -> int:
+def run_kafka_forever(port: int | None, data_dir: Path | None, *, secure: bool = False) -> int:
     """Run a single-node Apache Kafka in the foreground until SIGINT or SIGTERM (CLI entry).
 
     Prints ``bootstrap: HOST:PORT`` on stdout and a hint on stderr, then blocks.
@@ -675,6 +702,9 @@ def run_kafka_forever(port: int | None, data_dir: Path | None) -> int:
     Args:
         port: Client port, or ``None`` for a free one.
         data_dir: Data directory to keep (and reuse), or ``None`` for a temporary one.
+        secure: SASL_SSL with ACLs (:func:`streamapp.kafka_security.secure_setup`): users
+            ``admin``, ``worker`` and ``publisher``, whose settings go to
+            ``<data dir>/client-<user>.env``; no password is printed.
 
     Returns:
         0 after a clean stop on a signal, 1 when the broker failed to start or died.
@@ -688,20 +718,33 @@ def run_kafka_forever(port: int | None, data_dir: Path | None) -> int:
     if threading.current_thread() is threading.main_thread():
         for stop_signal in (signal.SIGINT, signal.SIGTERM):
             previous[stop_signal] = signal.signal(stop_signal, _on_signal)
-    kafka = KafkaBroker(data_dir=data_dir, port=port)
+    from streamapp.kafka_security import load_security, secure_setup
+
+    try:
+        security = load_security(data_dir) if secure else None
+    except BrokerError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return 1
+    kafka = KafkaBroker(data_dir=data_dir, port=port, security=security)
     try:
         try:
             kafka.start()
+            env_files = secure_setup(kafka) if secure else {}
         except BrokerError as err:
             print(f"error: {err}", file=sys.stderr, flush=True)
             return 1
         print(f"bootstrap: {kafka.bootstrap_servers}", flush=True)
         where = f"data in {kafka.data_dir}" + ("" if data_dir else ", deleted on exit")
+        if env_files:
+            how = {user: f"env $(cat {path}) " for user, path in env_files.items()}
+            listener = "SASL_SSL + SCRAM-SHA-512 with ACLs, "
+        else:
+            how, listener = {}, ""
         print(
-            f"Apache Kafka {KAFKA_VERSION} (KRaft, pid {kafka.pid}, {where}, log "
+            f"Apache Kafka {KAFKA_VERSION} (KRaft, {listener}pid {kafka.pid}, {where}, log "
             f"{kafka.log_path}) ready in {kafka.startup_s:.1f} s. Ctrl-C stops it.\n"
-            f"  worker:    streamapp worker --broker {kafka.url}\n"
-            f"  publisher: streamapp publish --broker {kafka.url}",
+            f"  worker:    {how.get('worker', '')}streamapp worker --broker {kafka.url}\n"
+            f"  publisher: {how.get('publisher', '')}streamapp publish --broker {kafka.url}",
             file=sys.stderr, flush=True,
         )
         while not stop_requested.wait(0.5):

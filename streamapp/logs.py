@@ -55,10 +55,15 @@ def startup_block(settings: Settings, models: Mapping[str, Any]) -> str:
     """
     s = settings
     web = f"http://{advertised_host(s)}:{s.web_port}"
+    guarded = s.web_token.get_secret_value() or s.web_token_file is not None
+    open_paths = ", ".join(s.web_open_paths) or "none"
+    token = f"; web token required, open: {open_paths}" if guarded else ""
+    login = (f", {s.security_protocol} as {s.sasl_username!r}" if s.sasl_username
+             else f", {s.security_protocol}" if s.security_protocol != "PLAINTEXT" else "")
     lines = [
         f"streamapp worker of group {s.app_id!r} ({s.topic_partitions} partitions per topic)",
-        f"  web      {web} (bound to {s.web_bind}; /ready, /metrics, /devices/{{id}})",
-        f"  broker   {s.broker} ({s.broker_kind})",
+        f"  web      {web} (bound to {s.web_bind}; /ready, /metrics, /devices/{{id}}{token})",
+        f"  broker   {s.broker} ({s.broker_kind}{login})",
         f"  reads    {s.request_topic}, {s.retry_topic}",
         f"  writes   {s.result_topic}, {s.dlq_topic}",
     ]

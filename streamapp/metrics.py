@@ -52,6 +52,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+#: Outcomes of requests a queue policy kept from the engine: counted, no latencies.
+_SKIPPED = frozenset(("expired", "superseded"))
+
 #: Latency buckets (seconds): 0.5 ms … 10 s, roughly x2 apart.
 LATENCY_BUCKETS_S = (
     0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0,
@@ -61,9 +64,11 @@ LATENCY_BUCKETS_S = (
 #: families of prometheus-client (``process_*``, ``python_info``) come on top.
 METRIC_FAMILIES: tuple[tuple[str, str, str, str], ...] = (
     ("streamapp_requests_total", "counter", "model, outcome",
-     "Requests finished, by final outcome: `result` or `dead_letter`; they sum to the requests "
-     "read (Triton: `nv_inference_request_success` / `_failure`). Retries are not outcomes: "
-     "they are counted in `streamapp_retries_total`."),
+     "Requests finished, by final outcome: `result`, `dead_letter`, or `expired` / "
+     "`superseded` (a queue policy kept them from the engine: a result record without "
+     "outputs, docs/delivery.md); they sum to the requests read (Triton: "
+     "`nv_inference_request_success` / `_failure`). Retries are not outcomes: they are "
+     "counted in `streamapp_retries_total`."),
     ("streamapp_dead_letters_total", "counter", "model, reason",
      "Dead letters by reason code."),
     ("streamapp_retries_total", "counter", "model, reason",
@@ -73,7 +78,9 @@ METRIC_FAMILIES: tuple[tuple[str, str, str, str], ...] = (
      "Batches run, by why they closed: `size`, `delay` or `flush` (Triton: "
      "`nv_inference_exec_count`)."),
     ("streamapp_batch_size", "histogram", "model",
-     "Requests per batch (Triton: `nv_inference_count` / `exec_count`)."),
+     "Requests per batch, as run by the engine (Triton: `nv_inference_count` / "
+     "`exec_count`): requests a queue policy skipped are not in it, and a batch it emptied "
+     "is neither run nor counted, so `_sum` is the requests the engine ran."),
     ("streamapp_queue_duration_seconds", "histogram", "model",
      "Per answered request: from reading it to its batch starting on the engine (result "
      "field `queue_ms`; Triton: `nv_inference_queue_duration_us`)."),
@@ -163,6 +170,14 @@ METRIC_FAMILIES: tuple[tuple[str, str, str, str], ...] = (
         ("streamapp_bisections_total", "counter", "",
          "Failed batches whose requests were run again, each alone, to isolate the failing "
          "request(s)."),
+        ("streamapp_transactions_total", "counter", "",
+         "Transactions committed with outcomes, changelog records or offsets in them "
+         "(processing_guarantee=exactly_once; 0 otherwise); docs/delivery.md."),
+        ("streamapp_transaction_failures_total", "counter", "",
+         "Transactions that could not be committed (the worker aborts and stops after one)."),
+        ("streamapp_stale_outcomes_dropped_total", "counter", "",
+         "Outcomes not produced because their partition was revoked or reassigned after the "
+         "record was read (exactly_once: its next reader answers it)."),
         ("streamapp_undecodable_batches_total", "counter", "topic, handling",
          "Fetched record batches the consumer could not decode (bad CRC, a codec it lacks, "
          "corrupt compressed data), each counted once: `dead_lettered` (request and retry "
@@ -263,7 +278,8 @@ class WorkerGauges:
     #: ``{(table, reason, source): rows}`` of rows rejected (:mod:`streamapp.tables.rows`).
     rows_rejected: dict[tuple[str, str, str], int] = field(default_factory=dict)
     #: Delivery counters: ``gap_reads``, ``gap_records``, ``commits``, ``commit_failures``,
-    #: ``produce_failures``, ``bisections`` (see :data:`DELIVERY_COUNTERS`).
+    #: ``produce_failures``, ``bisections``, ``transactions``, ``transaction_failures``,
+    #: ``stale_dropped`` (see :data:`DELIVERY_COUNTERS`).
     delivery: dict[str, int] = field(default_factory=dict)
     #: ``{(topic, handling): (batches, offsets)}`` of undecodable record batches
     #: (:func:`streamapp.record_batches.undecodable_counts`).
@@ -278,6 +294,10 @@ DELIVERY_COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("commit_failures", "streamapp_commit_failures", "Offset commits failed."),
     ("produce_failures", "streamapp_produce_failures", "Outcomes not delivered."),
     ("bisections", "streamapp_bisections", "Failed batches whose requests were run again alone."),
+    ("transactions", "streamapp_transactions", "Transactions committed (exactly_once)."),
+    ("transaction_failures", "streamapp_transaction_failures", "Transactions that failed."),
+    ("stale_dropped", "streamapp_stale_outcomes_dropped",
+     "Outcomes of revoked partitions' records not produced (exactly_once)."),
 )
 
 
@@ -479,6 +499,8 @@ class Metrics:
         if outcome.kind == "dead_letter":
             self._child(self.dead_letters, model, outcome.reason or "unknown").inc()
             return
+        if outcome.kind in _SKIPPED:  # never reached the engine: no latencies
+            return
         for histogram, ms in ((self.queue_duration, outcome.queue_ms),
                               (self.inference_duration, outcome.infer_ms),
                               (self.e2e_duration, outcome.e2e_ms)):
@@ -502,6 +524,8 @@ class Metrics:
             if kind == "dead_letter":
                 key = (self.dead_letters, model, outcome.reason or "unknown")
                 counts[key] = counts.get(key, 0) + 1
+                continue
+            if kind in _SKIPPED:
                 continue
             columns = latencies.get(model)
             if columns is None:

@@ -13,6 +13,7 @@ from typing import Any
 
 __all__ = [
     "MAX_DEVICE_ID_CHARS",
+    "RESULT_OUTCOMES",
     "DeadLetter",
     "InferenceRequest",
     "InferenceResult",
@@ -90,6 +91,11 @@ class InferenceRequest:
         image: Encoded image bytes (JPEG/PNG), or None when ``tensor`` is given.
         model_version: The version the request pins (e.g. ``"2"``), or None for the model's
             current one. A pinned version must be loaded on the worker (docs/versions.md).
+        deadline: Optional relative deadline, milliseconds (> 0, at most
+            :data:`streamapp.codecs.MAX_DEADLINE_MS`): how old the request may be when its
+            batch would start, measured from when it reached Kafka (docs/delivery.md, "Queue
+            policy"); it replaces the model's ``queue_policy.max_age_ms``. None: the model's
+            policy, if any.
     """
 
     request_id: str
@@ -100,6 +106,7 @@ class InferenceRequest:
     tensor: TensorPayload | None = None
     image: bytes | None = None
     model_version: str | None = None
+    deadline: float | None = None
 
 
 @dataclass(slots=True)
@@ -115,6 +122,16 @@ class InferenceResult:
     (positive: the device clock is ahead); else ``clock_skew_ms`` is None (docs/faults.md).
     ``model_version`` is the model version whose engine answered (the current one when the
     request's batch started, or the one the request pinned); ``engine`` names its file digest.
+
+    ``outcome`` is ``"answered"`` for a prediction. A request that a queue policy kept from the
+    engine (docs/delivery.md) is a result too, in its device's order, with ``outcome``
+    ``"expired"`` (older than its max age when its batch would start) or ``"superseded"`` (a
+    newer request of its device in the same batch was inferred instead), empty ``outputs``,
+    ``infer_ms`` 0, ``batch_id`` None and ``batch_size`` 0. ``policy`` holds what the policy
+    saw, written as top-level fields by :meth:`to_dict` (absent without a policy):
+    ``age_ms`` (how old the request was when its batch started, or when it was skipped),
+    ``max_age_ms`` and ``max_age_from`` (``"request"`` or ``"model"``) when a max age applied,
+    ``superseded_by`` (the ``request_id`` inferred instead) for a superseded request.
     """
 
     request_id: str
@@ -128,20 +145,28 @@ class InferenceResult:
     queue_ms: float
     infer_ms: float
     e2e_ms: float
-    batch_id: str
+    batch_id: str | None
     batch_size: int
     worker: str
     ts: float
     clock_skew_ms: float | None = None
+    outcome: str = "answered"
+    policy: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         # Not dataclasses.asdict: its recursive deep copy took 20 µs per result on the worker's
         # hot path (bench/, profile of the digits workload); a shallow copy takes about 2 µs,
         # and ``outputs`` is built fresh for every result anyway.
-        return {name: getattr(self, name) for name in _RESULT_FIELDS}
+        out = {name: getattr(self, name) for name in _RESULT_FIELDS}
+        if self.policy is not None:
+            out.update(self.policy)
+        return out
 
 
-_RESULT_FIELDS = tuple(f.name for f in fields(InferenceResult))
+#: Result outcomes: a prediction, or a request a queue policy kept from the engine.
+RESULT_OUTCOMES = ("answered", "expired", "superseded")
+
+_RESULT_FIELDS = tuple(f.name for f in fields(InferenceResult) if f.name != "policy")
 
 
 @dataclass(slots=True)

@@ -119,7 +119,9 @@ class ReplyWaiter:
             bootstrap_servers=bootstrap_servers, group_id=None, enable_auto_commit=False,
             # the embedded broker holds an empty fetch for the whole wait: keep it short, it
             # is added to every answer's latency
-            fetch_max_wait_ms=20, **(security or {}),
+            fetch_max_wait_ms=20,
+            # with processing_guarantee=exactly_once, never an outcome of an aborted transaction
+            isolation_level="read_committed", **(security or {}),
         )
         self._pending: dict[str, _Pending] = {}
         self._by_source: dict[_Source, str] = {}

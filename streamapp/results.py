@@ -176,7 +176,9 @@ def format_result_line(entry: ResultEntry) -> str:
     Long cells end with "…"; the engine tag is cut in its middle so that its model hash stays,
     a seq above 9,999,999 keeps its last digits (``…2345678``), the ones that change, and a
     latency of 100 s or more is written in seconds with its unit (``98765s``).
-    Results without ``outputs.top_k`` (named tensors) show ``-`` for label and score.
+    Results without ``outputs.top_k`` (named tensors) show ``-`` for label and score; a
+    request a queue policy kept from the engine shows its ``outcome`` (``expired``,
+    ``superseded``) as the label.
     """
     if entry.result is None:
         key = "no key" if entry.key is None else f"key {entry.device!r}"
@@ -191,7 +193,8 @@ def format_result_line(entry: ResultEntry) -> str:
         "device": entry.device,
         "seq": str(r["seq"]),
         "model": _middle_cut(_model_cell(r), _WIDTHS["model"]),
-        "label": "-" if top is None else str(top["label"]),
+        "label": str(r.get("outcome", "-")) if top is None and r.get("outcome", "answered")
+        != "answered" else "-" if top is None else str(top["label"]),
         "score": "-" if top is None else f"{float(top['score']):.3f}",
         "e2e_ms": f"{e2e:.1f}" if e2e < 100_000 else f"{e2e / 1000:.0f}s",
     }

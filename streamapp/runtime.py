@@ -8,6 +8,7 @@ Which records are processed and committed is :mod:`streamapp.delivery`'s job; th
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import socket
@@ -28,6 +29,7 @@ from streamapp.models.loading import load_models
 from streamapp.models.swap import ModelSwapper, close_model, warm_up
 from streamapp.retry import DelayScheduler, RetryRecord, RetryStore
 from streamapp.settings import Settings
+from streamapp.transactions import TransactionCommitter
 
 __all__ = ["WorkerHost", "WorkerRuntime", "load_models"]
 
@@ -61,6 +63,8 @@ class WorkerRuntime:
         host: Flushes the producer and crashes the app; None in tests without one.
         ack_guard: Confirms the broker's acknowledgements (:mod:`streamapp.topology`); None:
             every acknowledgement counts.
+        transactions: With exactly_once, the committer of the worker's transactions: each
+            commit first settles the pipeline (:meth:`_settle`).
 
     Attributes:
         ready: True once every model is loaded and a warm-up batch ran on each.
@@ -69,8 +73,10 @@ class WorkerRuntime:
     def __init__(
         self, settings: Settings, delivery: Delivery, host: WorkerHost | None = None,
         ack_guard: AckGuard | None = None,
+        transactions: TransactionCommitter | None = None,
     ) -> None:
         self.settings = settings
+        self.transactions = transactions
         self.ack_guard = ack_guard
         self.delivery = delivery
         self.worker = settings.worker_name or f"{socket.gethostname()}:{os.getpid()}"
@@ -85,6 +91,8 @@ class WorkerRuntime:
         self._scheduler: DelayScheduler | None = None
         #: Hot swap of model versions (``streamapp models load``, ``POST /models/...``).
         self.swapper = ModelSwapper(settings, lambda: self.pipeline)
+        #: exactly_once: the latest due time scheduled per retry partition.
+        self._last_due: dict[tuple[str, int], float] = {}
 
     async def acquire(
         self, sink: Sink, retry_store: RetryStore, observers: Sequence[PipelineObserver] = ()
@@ -109,7 +117,10 @@ class WorkerRuntime:
                     retry_store=retry_store, observers=observers,
                     highwater=getattr(self._host, "highwater", None),
                     ack_guard=self.ack_guard,
+                    current=self.delivery.current if self.transactions is not None else None,
                 )
+                if self.transactions is not None:
+                    self.transactions.settle = functools.partial(self._settle, pipeline)
                 await pipeline.start()
                 self._retry_store = retry_store
                 self._scheduler = DelayScheduler(pipeline.handle)
@@ -150,6 +161,13 @@ class WorkerRuntime:
         """
         self._preloaded = load_models(self.settings)
         return self._preloaded
+
+    @staticmethod
+    async def _settle(pipeline: InferencePipeline) -> None:
+        """Before a transaction commits: every outcome produced so far acknowledged, its
+        device state written and its record finished."""
+        await pipeline.wait_acknowledged()
+        await pipeline.flush_state()
 
     def _backpressured(self) -> bool:
         pipeline = self.pipeline
@@ -199,7 +217,14 @@ class WorkerRuntime:
             return
         retry_store.record_attempt(record, source.event)
         source.key, source.value, source.retry = record.key, record.value, record
-        await self._scheduler.add(record.not_before, source)
+        due = record.not_before
+        if self.transactions is not None:
+            # exactly_once: a retry partition's records run (and so answer) in offset order,
+            # or an answered record beyond the committable prefix would be answered again
+            # after a crash. Due times are made monotonic per partition (a short wait).
+            tp = (source.topic, source.partition)
+            due = self._last_due[tp] = max(due, self._last_due.get(tp, due))
+        await self._scheduler.add(due, source)
 
     def describe(self) -> dict[str, Any]:
         """Engines and counters, for ``/engines`` and ``/ready``."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_origin
 
@@ -20,6 +21,7 @@ from streamapp.exceptions import ConfigError
 
 __all__ = [
     "DEFAULT_TOPIC_PARTITIONS",
+    "WEB_OPEN_PATHS",
     "Backend",
     "BrokerKind",
     "Codec",
@@ -29,6 +31,7 @@ __all__ = [
     "Settings",
     "load_settings",
     "settings_reference",
+    "web_token",
 ]
 
 Codec = Literal["json", "msgpack"]
@@ -39,6 +42,14 @@ GpuExecutor = Literal["inprocess", "shared"]
 BrokerKind = Literal["auto", "kafka", "embedded"]
 SecurityProtocol = Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]
 SaslMechanism = Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"]
+ProcessingGuarantee = Literal["at_least_once", "exactly_once"]
+
+#: Paths that may be answered without the web token (``web_open_paths``), all by default:
+#: what orchestrators probe and Prometheus scrapes.
+WEB_OPEN_PATHS = ("/health", "/ready", "/metrics")
+#: What a web token may hold (RFC 6750's b64token) and its least length.
+_WEB_TOKEN_RE = re.compile(r"[A-Za-z0-9\-._~+/]+=*")
+WEB_TOKEN_MIN_CHARS = 16
 
 #: Partitions of the topics a worker or ``streamapp publish`` creates, unless configured.
 DEFAULT_TOPIC_PARTITIONS = 16
@@ -271,6 +282,16 @@ class Settings(BaseSettings):
         "once the device state flush after its outcome ran (state_flush_interval_ms, "
         "state_flush_max_records); docs/delivery.md gives what a crash re-delivers.",
     )
+    processing_guarantee: ProcessingGuarantee = Field(
+        "at_least_once",
+        description="'at_least_once': outcomes are produced, then source offsets committed "
+        "(a crash re-delivers what was in flight). 'exactly_once' (Apache Kafka only): each "
+        "commit_interval_ms the outcomes, table changelog writes and source offsets of that "
+        "interval are committed in one Kafka transaction (transactional id per worker "
+        "instance, consumer group generation checked as KIP-447 does); read_committed "
+        "consumers see every request's outcome once. Costs latency (outcomes become visible "
+        "at the commit) and throughput; docs/delivery.md says when to choose which.",
+    )
     state_flush_interval_ms: float = Field(
         500.0, ge=0,
         description="How often device state (device_stats, window buckets) is written to its "
@@ -364,6 +385,25 @@ class Settings(BaseSettings):
         description="/metrics is rendered, and the /devices listing's snapshot taken, at most "
         "once per this interval (ms); between, answers come from memory. The snapshot is also "
         "kept at least four times as long as taking it lasted.",
+    )
+    web_token: SecretStr = Field(
+        SecretStr(""),
+        description="Bearer token the web API requires (header 'Authorization: Bearer "
+        "<token>') on every path but web_open_paths, new routes included; workers forward "
+        "device queries with it, so every worker of a group needs the same one. At least 16 "
+        "characters of A-Z a-z 0-9 - . _ ~ + / (e.g. python -c 'import secrets; "
+        "print(secrets.token_urlsafe(32))'); never printed. Empty (and no web_token_file): "
+        "the web API is open to whoever reaches web_bind.",
+    )
+    web_token_file: Path | None = Field(
+        None,
+        description="File holding web_token (its first line; read when the worker starts), "
+        "e.g. a mounted Kubernetes secret. Set this or web_token, not both.",
+    )
+    web_open_paths: Annotated[tuple[str, ...], NoDecode] = Field(
+        WEB_OPEN_PATHS,
+        description="Paths answered without the web token (comma-separated in the "
+        "environment; any of /health, /ready, /metrics; empty: none). Only with web_token.",
     )
     tumbling_window_s: float = Field(
         10.0, gt=0,
@@ -480,9 +520,24 @@ class Settings(BaseSettings):
             raise ValueError("ssl_keyfile is set without ssl_certfile; set both for mutual TLS")
         return self
 
-    @field_validator("models", mode="before")
+    @model_validator(mode="after")
+    def _check_web_token(self) -> Settings:
+        if self.web_token.get_secret_value() and self.web_token_file is not None:
+            raise ValueError("web_token and web_token_file are both set; set one of them")
+        token = self.web_token.get_secret_value()
+        if token:
+            check_web_token(token, "web_token")
+        extra = sorted(set(self.web_open_paths) - set(WEB_OPEN_PATHS))
+        if extra:
+            raise ValueError(
+                f"web_open_paths may list only {', '.join(WEB_OPEN_PATHS)}, not "
+                f"{', '.join(extra)}: every other path needs the web token"
+            )
+        return self
+
+    @field_validator("models", "web_open_paths", mode="before")
     @classmethod
-    def _split_models(cls, value: Any) -> Any:
+    def _split_lists(cls, value: Any) -> Any:
         if isinstance(value, str):
             return tuple(m.strip() for m in value.split(",") if m.strip())
         return value
@@ -596,6 +651,46 @@ ENV_PREFIX = "STREAMAPP_"
 #: ``HOME_ENV`` and ``JVM_OPTS_ENV``; a test keeps the two lists equal). A worker started
 #: where they are set (the benchmark, a shell that ran ``streamapp broker --kafka``) ignores them.
 OTHER_ENV = frozenset({"STREAMAPP_KAFKA_HOME", "STREAMAPP_KAFKA_JVM_OPTS"})
+
+
+def check_web_token(token: str, source: str) -> str:
+    """``token`` if it can be a web token (RFC 6750 characters, at least
+    :data:`WEB_TOKEN_MIN_CHARS` long).
+
+    Raises:
+        ValueError: It cannot; the message names ``source``, never the token.
+    """
+    if not _WEB_TOKEN_RE.fullmatch(token) or len(token) < WEB_TOKEN_MIN_CHARS:
+        raise ValueError(
+            f"{source} must be at least {WEB_TOKEN_MIN_CHARS} characters of A-Z a-z 0-9 - . _ "
+            f"~ + / (the value given, of {len(token)} characters, is not); make one with "
+            "python -c 'import secrets; print(secrets.token_urlsafe(32))'"
+        )
+    return token
+
+
+def web_token(settings: Settings) -> str:
+    """The web API's bearer token: ``web_token``, or the first line of ``web_token_file``;
+    "" when neither is set (the web API is open). Holds the secret: never log it.
+
+    Raises:
+        ConfigError: The file cannot be read, or what it holds cannot be a token.
+    """
+    if settings.web_token_file is None:
+        return settings.web_token.get_secret_value()
+    path = settings.web_token_file
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
+        raise ConfigError(
+            f"web_token_file {str(path)!r} cannot be read ({why}); give a readable file whose "
+            "first line is the token (STREAMAPP_WEB_TOKEN_FILE)"
+        ) from None
+    try:
+        return check_web_token(lines[0].strip() if lines else "", f"web_token_file {str(path)!r}")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def load_settings(**overrides: Any) -> Settings:

@@ -239,7 +239,13 @@ class WorkerState:
                                     produced.produce_failures if produced else 0),
             "bisections": max(gauges.delivery.get("bisections", 0),
                               produced.bisections if produced else 0),
+            "stale_dropped": max(gauges.delivery.get("stale_dropped", 0),
+                                 produced.stale_dropped if produced else 0),
         }
+        transactions = getattr(self.runtime, "transactions", None)
+        if transactions is not None:
+            gauges.delivery["transactions"] = transactions.stats.commits
+            gauges.delivery["transaction_failures"] = transactions.stats.failures
         # This worker's topics: several apps may share a process (tests); Faust names
         # changelogs "<app id>-<table>-changelog".
         gauges.undecodable = {

@@ -187,16 +187,21 @@ def summarize(url: str, before: Snapshot, after: Snapshot) -> WorkerStatus:
     return status
 
 
-def _get(url: str) -> tuple[int, bytes]:
+#: What a worker's 401 (issue 21's web token) means for ``status``.
+_NEEDS_TOKEN = "needs the web token: set STREAMAPP_WEB_TOKEN or STREAMAPP_WEB_TOKEN_FILE"
+
+
+def _get(url: str, headers: Mapping[str, str] | None = None) -> tuple[int, bytes]:
+    request = urllib.request.Request(url, headers=dict(headers or {}))
     try:
-        with urllib.request.urlopen(url, timeout=HTTP_TIMEOUT_S) as response:
+        with urllib.request.urlopen(request, timeout=HTTP_TIMEOUT_S) as response:
             return response.status, response.read()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read()
 
 
-def _get_json(url: str) -> Any:
-    return json.loads(_get(url)[1] or b"null")
+def _get_json(url: str, headers: Mapping[str, str] | None = None) -> Any:
+    return json.loads(_get(url, headers)[1] or b"null")
 
 
 def supervised_urls(data_dir: Path) -> dict[str, int] | None:
@@ -249,12 +254,13 @@ def worker_url(text: str) -> str:
     return url if "://" in url else f"http://{url}"
 
 
-def discover(urls: Sequence[str]) -> list[str]:
-    """``urls`` plus every worker the first reachable one's ``/cluster`` names."""
+def discover(urls: Sequence[str], headers: Mapping[str, str] | None = None) -> list[str]:
+    """``urls`` plus every worker the first reachable one's ``/cluster`` names (``headers``:
+    sent with each request, e.g. the web token's ``Authorization``)."""
     found = [worker_url(u) for u in urls]
     for url in list(found):
         try:
-            cluster = _get_json(f"{url}/cluster")
+            cluster = _get_json(f"{url}/cluster", headers)
         except (OSError, ValueError):
             continue
         for worker in cluster.get("workers", []):
@@ -265,12 +271,18 @@ def discover(urls: Sequence[str]) -> list[str]:
     return found
 
 
-def collect(urls: Sequence[str], *, interval_s: float = 2.0, top: int = 5) -> list[WorkerStatus]:
-    """Scrape every worker twice, ``interval_s`` apart, and summarize."""
+def collect(
+    urls: Sequence[str], *, interval_s: float = 2.0, top: int = 5,
+    headers: Mapping[str, str] | None = None,
+) -> list[WorkerStatus]:
+    """Scrape every worker twice, ``interval_s`` apart, and summarize (``headers``: sent with
+    each request, e.g. the web token's ``Authorization``)."""
 
     def scrape(url: str) -> Snapshot | str:
         try:
-            status, body = _get(f"{url}/metrics")
+            status, body = _get(f"{url}/metrics", headers)
+            if status == 401:
+                return f"/metrics {_NEEDS_TOKEN}"
             if status != 200:
                 return f"/metrics answered {status}"
             return Snapshot.parse(body.decode(), time.monotonic())
@@ -281,13 +293,16 @@ def collect(urls: Sequence[str], *, interval_s: float = 2.0, top: int = 5) -> li
         first = list(pool.map(scrape, urls))
         time.sleep(interval_s)
         second = list(pool.map(scrape, urls))
-        ready = list(pool.map(lambda u: _safe_json(f"{u}/ready"), urls))
+        ready = list(pool.map(lambda u: _safe_json(f"{u}/ready", headers), urls))
         devices = list(pool.map(
-            lambda u: _safe_json(f"{u}/devices?sort=-total&limit={top}"), urls))
+            lambda u: _safe_json(f"{u}/devices?sort=-total&limit={top}", headers), urls))
     out = []
     for url, a, b, r, d in zip(urls, first, second, ready, devices, strict=True):
         if isinstance(a, str) or isinstance(b, str):
             out.append(WorkerStatus(url, error=a if isinstance(a, str) else str(b)))
+            continue
+        if any(isinstance(x, dict) and x.get("status") == 401 for x in (r, d)):
+            out.append(WorkerStatus(url, error=f"the web API {_NEEDS_TOKEN}"))
             continue
         status = summarize(url, a, b)
         if isinstance(r, dict):
@@ -298,9 +313,9 @@ def collect(urls: Sequence[str], *, interval_s: float = 2.0, top: int = 5) -> li
     return out
 
 
-def _safe_json(url: str) -> Any:
+def _safe_json(url: str, headers: Mapping[str, str] | None = None) -> Any:
     try:
-        return _get_json(url)
+        return _get_json(url, headers)
     except (OSError, ValueError):
         return None
 
@@ -417,6 +432,7 @@ def run_status(
     urls: Sequence[str], *, interval_s: float = 2.0, watch: bool = False, top: int = 5,
     discover_peers: bool = True, console: Console | None = None,
     restarts: Mapping[str, int] | None = None, supervisor_dir: Path | None = None,
+    token: str = "",
 ) -> int:
     """Print the status screen (refreshing every ``interval_s`` with ``watch``).
 
@@ -425,6 +441,8 @@ def run_status(
         supervisor_dir: Where the supervisor's ``supervisor.json`` is: a child of it that does
             not answer and is not running shows its state (:func:`stopped_children`), not a
             connection error.
+        token: The workers' web token (``web_token``), sent as ``Authorization: Bearer``;
+            "" sends none.
 
     Returns:
         0 when every worker answered and is ready, 1 otherwise.
@@ -433,10 +451,11 @@ def run_status(
     # COLUMNS says otherwise
     wide = sys.stdout.isatty() or "COLUMNS" in os.environ  # a width the user chose is kept
     console = console or Console(width=None if wide else 200)
-    targets = discover(urls) if discover_peers else [worker_url(u) for u in urls]
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    targets = discover(urls, headers) if discover_peers else [worker_url(u) for u in urls]
 
     def gather() -> list[WorkerStatus]:
-        statuses = collect(targets, interval_s=interval_s, top=top)
+        statuses = collect(targets, interval_s=interval_s, top=top, headers=headers)
         stopped = stopped_children(supervisor_dir) if supervisor_dir is not None else {}
         for s in statuses:
             s.restarts = (restarts or {}).get(s.url)

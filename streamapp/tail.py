@@ -22,8 +22,8 @@ from typing import Any, Generic, Self, TypeVar
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.structs import ConsumerRecord
 
-from streamapp.exceptions import BrokerError
-from streamapp.kafka import partitions_of, start_or_close
+from streamapp.exceptions import BrokerError, SecurityError
+from streamapp.kafka import IsolationLevel, partitions_of, start_or_close
 
 __all__ = ["TopicReader", "cell", "display_width", "iso_utc", "pad", "parse_since"]
 
@@ -144,6 +144,9 @@ class TopicReader(abc.ABC, Generic[_T]):
         topic: The topic (``settings.dlq_topic``, ``settings.result_topic``).
         security: aiokafka security options (:func:`streamapp.kafka.kafka_security_options`).
         poll_ms: Longest wait of one poll.
+        isolation_level: ``"read_committed"`` (default): records of committed transactions
+            only, as an exactly_once worker's outcomes are meant to be read;
+            ``"read_uncommitted"``: also those of open and aborted transactions.
 
     Attributes:
         skipped: Records that :meth:`decode` left out (subclasses count them).
@@ -156,6 +159,7 @@ class TopicReader(abc.ABC, Generic[_T]):
         *,
         security: Mapping[str, Any] | None = None,
         poll_ms: int = 200,
+        isolation_level: IsolationLevel = "read_committed",
     ) -> None:
         self.topic = topic
         self.poll_ms = poll_ms
@@ -165,8 +169,10 @@ class TopicReader(abc.ABC, Generic[_T]):
             group_id=None,
             enable_auto_commit=False,
             auto_offset_reset="earliest",
+            isolation_level=isolation_level,
             **(security or {}),
         )
+        self._user = str((security or {}).get("sasl_plain_username") or "")
         self._partitions: list[TopicPartition] = []
         self._end: dict[TopicPartition, int] = {}
         self._later: list[_T] = []
@@ -182,9 +188,13 @@ class TopicReader(abc.ABC, Generic[_T]):
             try:
                 partitions = await partitions_of(self._consumer, self.topic)
             except RuntimeError:
-                raise BrokerError(
+                user = self._user
+                raise (SecurityError if user else BrokerError)(
                     f"topic {self.topic!r} does not exist; check --broker and the topic prefix "
-                    "(STREAMAPP_TOPIC_PREFIX)"
+                    "(STREAMAPP_TOPIC_PREFIX)" + (
+                        f", or whether the broker denied user {user!r} access to the topic "
+                        "(a topic the user may not describe looks absent): grant it the "
+                        "ACLs docs/deployment.md lists" if user else "")
                 ) from None
             self._partitions = [TopicPartition(self.topic, p) for p in sorted(partitions)]
             self._consumer.assign(self._partitions)

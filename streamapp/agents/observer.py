@@ -13,9 +13,15 @@ from typing import Any, Literal, Protocol
 
 from streamapp.batching import BatchInfo
 
-__all__ = ["Outcome", "OutcomeKind", "PipelineObserver"]
+__all__ = [
+    "FINAL_KINDS", "Outcome", "OutcomeKind", "PipelineObserver", "SkippedKind",
+]
 
-OutcomeKind = Literal["result", "dead_letter", "retry"]
+OutcomeKind = Literal["result", "dead_letter", "retry", "expired", "superseded"]
+#: Outcomes of requests a queue policy kept from the engine (a result record without outputs).
+SkippedKind = Literal["expired", "superseded"]
+#: Outcome kinds that finish a request (every kind but ``retry``).
+FINAL_KINDS: tuple[OutcomeKind, ...] = ("result", "dead_letter", "expired", "superseded")
 
 
 @dataclass(slots=True)
@@ -23,13 +29,15 @@ class Outcome:
     """What happened to one request.
 
     Attributes:
-        kind: ``result`` (answered), ``dead_letter`` (given up) or ``retry`` (sent to the retry
-            topic after a transient failure).
+        kind: ``result`` (answered), ``dead_letter`` (given up), ``retry`` (sent to the retry
+            topic after a transient failure), ``expired`` or ``superseded`` (a queue policy
+            kept it from the engine; a result record without outputs, docs/delivery.md).
         device_id / request_id / seq / model: From the request; None where it could not be
             decoded.
         reason: Reason code for dead letters and retries, else None.
         label / score: Top-1 prediction of a result, else None.
-        e2e_ms / queue_ms / infer_ms: Timings of a result (milliseconds), else None.
+        e2e_ms / queue_ms / infer_ms: Timings of a result (milliseconds; of an expired or
+            superseded request too, ``infer_ms`` 0), else None.
         attempt: 0 for the first try, n for the n-th retry.
         ts: Epoch seconds when the outcome was produced.
         partition: Source partition.

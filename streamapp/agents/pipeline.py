@@ -20,6 +20,13 @@ of whose requests failed alone while its neighbours passed (for ``failure_quaran
 in a lane of their own, each alone (:meth:`InferencePipeline.runs_alone`). Outcomes still leave
 in read order, whichever lane a request ran in.
 
+A model's metadata (``queue_policy``) or a request (``deadline``) may bound how old a request
+may be when its batch would start; a **queue policy** is applied when a request is read and
+again when its batch starts (the batcher's screen, :meth:`InferencePipeline.screen`): a request
+past its max age gets an ``expired`` result without engine time, and with ``latest_frame`` the
+older requests of a device in one batch get ``superseded`` results naming the newest, which
+alone is inferred (docs/delivery.md). Requests without a policy are never looked at.
+
 Outcomes are produced in the order records were read (per-device order), and a record is
 acknowledged — its ``ack`` callback called — only once the broker acknowledged the outcome. The
 caller (the Faust agent) turns acks into committed offsets (:mod:`streamapp.offsets`), so a crash
@@ -54,7 +61,7 @@ from engines.base import EngineInfo
 from engines.exceptions import EngineError
 from engines.executor import Executor
 from engines.preprocess import EncodedImage
-from streamapp.agents.observer import Outcome, OutcomeKind, PipelineObserver
+from streamapp.agents.observer import Outcome, OutcomeKind, PipelineObserver, SkippedKind
 from streamapp.batching import BatchInfo, Completion, MicroBatcher
 from streamapp.codecs import (
     MAX_ID_CHARS,
@@ -225,6 +232,12 @@ class _Work:
     array: np.ndarray | EncodedImage | None = field(default=None, repr=False)
     #: An image being decoded off the event loop (:class:`ImageDecoder`); the batch awaits it.
     pending: asyncio.Future[np.ndarray | EncodedImage] | None = field(default=None, repr=False)
+    #: The max age (ms) and where it came from (``"request"``/``"model"``) of a request under
+    #: a queue policy; None without a max age.
+    max_age: tuple[float, str] | None = None
+    #: What the queue policy saw (result fields ``age_ms``, ``max_age_ms``, ...), set when it
+    #: was applied; None for a request without a policy.
+    policy: dict[str, Any] | None = None
 
     @property
     def attempt(self) -> int:
@@ -238,6 +251,10 @@ class _ItemResult:
     outputs: dict[str, Any] | None = None
     error: BaseException | None = None
     infer_ms: float = 0.0
+    #: ``"expired"`` or ``"superseded"``: a queue policy kept the request from the engine.
+    skipped: SkippedKind | None = None
+    #: ``time.monotonic()`` when the policy decided (for ``queue_ms`` of a skipped request).
+    decided_at: float = 0.0
 
 
 @dataclass
@@ -254,6 +271,12 @@ class PipelineStats:
     acked: int = 0
     #: Failed batches whose requests were run again, each alone (the metric's historic name).
     bisections: int = 0
+    #: Outcomes not produced because their partition was revoked or reassigned after the
+    #: record was read (exactly_once only: its next reader answers it).
+    stale_dropped: int = 0
+    #: Requests a queue policy kept from the engine: past their max age, or superseded.
+    expired: int = 0
+    superseded: int = 0
 
 
 class InferencePipeline:
@@ -272,6 +295,10 @@ class InferencePipeline:
         ack_guard: Confirms acknowledgements (:class:`AckGuard`, e.g.
             :class:`streamapp.topology.TopicWatch`): one it refuses, or held acknowledgements
             it does not confirm at a state flush, leave their records uncommitted.
+        current: With exactly_once: whether a record still belongs to its partition's current
+            assignment (:meth:`streamapp.delivery.Delivery.current`); the outcomes of records
+            that do not are dropped (the partition's next reader answers them, in its own
+            transaction). None (at_least_once): every outcome is produced.
     """
 
     def __init__(
@@ -285,8 +312,10 @@ class InferencePipeline:
         observers: Sequence[PipelineObserver] = (),
         highwater: Callable[[str, int], int | None] | None = None,
         ack_guard: AckGuard | None = None,
+        current: Callable[[SourceMessage], bool] | None = None,
     ) -> None:
         self.settings = settings
+        self.current = current
         self.ack_guard = ack_guard
         #: Model name -> its current version: what a batch that starts now runs on.
         self.models = dict(models)
@@ -339,6 +368,7 @@ class InferencePipeline:
             max_inflight_batches=settings.max_inflight_batches,
             backlog=self.backlog if highwater is not None and hold_ms > 0 else None,
             max_batch_hold_ms=hold_ms,
+            screen=self.screen,
         )
 
     async def start(self) -> None:
@@ -437,6 +467,9 @@ class InferencePipeline:
                 )
                 check_key(message.key, request)
                 model = work.model = self._model(request.model, request.model_version)
+                policed = request.deadline is not None or model.config.has_queue_policy
+                if policed and self._expired_on_read(work, request, model):
+                    continue  # not pre-processed: its expired result is queued in order
                 if request.tensor is None and request.image is not None:
                     # Never decoded on the event loop: the batch awaits the result.
                     work.pending = self.images.submit(model.config, request)
@@ -450,8 +483,27 @@ class InferencePipeline:
                 batcher.put_done_nowait(work, InternalError(f"{type(exc).__name__}: {exc}"))
                 continue
             batcher.put_nowait(
-                work, key=(request.model, self.runs_alone(work), request.model_version)
+                work, key=(request.model, self.runs_alone(work), request.model_version),
+                screened=policed,
             )
+
+    def _expired_on_read(
+        self, work: _Work, request: InferenceRequest, model: LoadedModel
+    ) -> bool:
+        """Note the max age of a request under a queue policy; when it is past it already,
+        queue its ``expired`` result (in read order) and return True."""
+        if request.deadline is not None:
+            work.max_age = (request.deadline, "request")
+        elif model.config.max_age_ms is not None:
+            work.max_age = (model.config.max_age_ms, "model")
+        else:
+            return False
+        now = time.monotonic()
+        verdict = self._expiry(work, time.time(), now)
+        if verdict is None:
+            return False
+        self.batcher.put_done_nowait(work, None, verdict)
+        return True
 
     def runs_alone(self, work: _Work) -> bool:
         """Whether a decoded request goes to the lane whose requests each run alone: a retry
@@ -585,6 +637,96 @@ class InferencePipeline:
             raise KeyError(f"version {version} of model {name!r} is the current one")
         return self.loaded.get(name, {}).pop(version)
 
+    # -- queue policy ---------------------------------------------------------------------------
+
+    def screen(self, key: Hashable, works: list[_Work]) -> list[_ItemResult | None] | None:
+        """The queue policy of a batch that is about to start (the batcher's ``screen`` hook;
+        only batches holding a request under a policy come here).
+
+        A request past its max age (its ``deadline``, else the model's
+        ``queue_policy.max_age_ms``) gets an ``expired`` verdict; then, for a model with
+        ``queue_policy.latest_frame``, every request of a device but its newest (the last read)
+        gets a ``superseded`` one. Ages are measured from when the request reached Kafka (see
+        :meth:`_age_ms`).
+
+        Args:
+            key: The batch key ``(model name, runs alone, pinned version or None)``.
+            works: The batch's requests in read order.
+
+        Returns:
+            Per request, None (infer it) or its verdict; None when every request runs.
+        """
+        assert isinstance(key, tuple)
+        try:  # the version the batch will run on (docs/versions.md)
+            model = self._model(str(key[0]), key[2])
+        except InvalidRequestError:  # a pinned version unloaded since: _run_batch answers it
+            model = self.models[str(key[0])]
+        now_wall, now = time.time(), time.monotonic()
+        verdicts: list[_ItemResult | None] = [None] * len(works)
+        skipped = False
+        for i, work in enumerate(works):
+            if work.max_age is not None:
+                verdicts[i] = self._expiry(work, now_wall, now)
+                skipped = skipped or verdicts[i] is not None
+            elif model.config.latest_frame:
+                work.policy = {"age_ms": self._age_ms(work, now_wall, now)}
+        if model.config.latest_frame:
+            newest: dict[str, _Work] = {}
+            for i in range(len(works) - 1, -1, -1):
+                work = works[i]
+                if verdicts[i] is not None or work.request is None:
+                    continue
+                latest = newest.get(work.request.device_id)
+                if latest is None:
+                    newest[work.request.device_id] = work
+                    continue
+                assert latest.request is not None and work.policy is not None
+                work.policy["superseded_by"] = latest.request.request_id
+                verdicts[i] = _ItemResult(skipped="superseded", decided_at=now)
+                self.stats.superseded += 1
+                skipped = True
+        if not skipped:
+            return None
+        for work, verdict in zip(works, verdicts, strict=True):
+            if verdict is not None and work.pending is not None:
+                work.pending.cancel()  # an image still being decoded: nobody will use it
+                work.pending = None
+        return verdicts
+
+    def _expiry(self, work: _Work, now_wall: float, now: float) -> _ItemResult | None:
+        """Record the age of a request with a max age in ``work.policy``; its ``expired``
+        verdict when it is older than that, else None."""
+        assert work.max_age is not None
+        limit_ms, source = work.max_age
+        age_ms = self._age_ms(work, now_wall, now)
+        work.policy = {"age_ms": age_ms, "max_age_ms": limit_ms, "max_age_from": source}
+        if age_ms <= limit_ms:
+            return None
+        self.stats.expired += 1
+        return _ItemResult(skipped="expired", decided_at=now)
+
+    def _age_ms(self, work: _Work, now_wall: float, now: float) -> float:
+        """How old a request is (ms, >= 0): the time since it reached Kafka, on the worker's
+        wall clock against the record's timestamp (:meth:`_arrived`), and never less than the
+        time since this worker read it (monotonic clock), so that a publisher whose clock is
+        ahead cannot make a request look young once it has waited here."""
+        source = work.source
+        arrived = self._arrived(source, now_wall)
+        return round(max(now_wall - arrived, now - source.received_at, 0.0) * 1000.0, 3)
+
+    @staticmethod
+    def _arrived(source: SourceMessage, now_wall: float) -> float:
+        """When a request reached Kafka (epoch seconds): its record's timestamp (set by the
+        producer, or by the broker with ``message.timestamp.type=LogAppendTime``); for a
+        record without one, when this worker read it; for a retry, when its first attempt
+        failed."""
+        if source.retry is not None:
+            return source.retry.first_failed_ts
+        stamp = getattr(getattr(source.event, "message", None), "timestamp", None)
+        if isinstance(stamp, int | float) and math.isfinite(stamp) and stamp > 0:
+            return float(stamp)
+        return now_wall - (time.monotonic() - source.received_at)
+
     # -- batches --------------------------------------------------------------------------------
 
     async def _run_batch(self, key: Hashable, batch: list[_Work]) -> Sequence[_ItemResult]:
@@ -715,6 +857,10 @@ class InferencePipeline:
     async def _emit_many(self, completions: list[Completion[_Work]]) -> None:
         """Produce the outcomes of ``completions`` (in read order): one producer call per
         partition when the sink has ``send_many``, else one ``send`` per record."""
+        if self.current is not None:
+            kept = [c for c in completions if self.current(c.item.source)]
+            self.stats.stale_dropped += len(completions) - len(kept)
+            completions = kept
         outgoing: list[_Outgoing] = []
         for completion in completions:
             prepared = self._prepare(completion)
@@ -1093,7 +1239,8 @@ class InferencePipeline:
         result: InferenceResult | None = None, ids: Mapping[str, Any] | None = None,
     ) -> Outcome:
         """``ids``: the request's ids when it was not decoded (see :meth:`_ids`)."""
-        top = result.outputs["top_k"][0] if result is not None else None
+        top_k = result.outputs.get("top_k") if result is not None else None
+        top = top_k[0] if top_k else None
         known: Mapping[str, Any] = ids if ids is not None else self._ids(work, None)
         return Outcome(
             kind=kind,
@@ -1118,11 +1265,18 @@ class InferencePipeline:
     def _result(
         self, work: _Work, item: _ItemResult, batch: BatchInfo | None
     ) -> tuple[str, bytes | None, bytes, Outcome]:
+        """The result record of an answered request, or of one a queue policy skipped
+        (``item.skipped``: no batch, empty outputs)."""
         request, model = work.request, work.model
-        assert request is not None and model is not None and batch is not None
-        assert item.outputs is not None
+        assert request is not None and model is not None
         now = time.time()
         e2e_ms, skew_ms = self._e2e_ms(work, request, now)
+        if item.skipped is None:
+            assert item.outputs is not None and batch is not None
+            outputs, started_at = item.outputs, batch.started_at
+            batch_id: str | None = f"{self.worker}/{batch.batch_id}"
+        else:
+            outputs, started_at, batch_id = {}, item.decided_at, None
         result = InferenceResult(
             request_id=request.request_id,
             device_id=request.device_id,
@@ -1130,22 +1284,25 @@ class InferencePipeline:
             model=request.model,
             engine=model.info.tag,
             model_version=model.version,
-            outputs=item.outputs,
+            outputs=outputs,
             attempt=work.attempt,
-            queue_ms=round((batch.started_at - work.source.received_at) * 1000.0, 3),
+            queue_ms=round((started_at - work.source.received_at) * 1000.0, 3),
             infer_ms=round(item.infer_ms, 3),
             e2e_ms=e2e_ms,
-            batch_id=f"{self.worker}/{batch.batch_id}",
-            batch_size=batch.size,
+            batch_id=batch_id,
+            batch_size=batch.size if batch is not None else 0,
             worker=self.worker,
             ts=now,
             clock_skew_ms=skew_ms,
+            outcome=item.skipped or "answered",
+            policy=work.policy,
         )
-        self.stats.results += 1
+        if item.skipped is None:
+            self.stats.results += 1
         value = encode_result(result.to_dict(), self.settings.result_codec)
         return (
             self.settings.result_topic, request.device_id.encode(), value,
-            self._outcome("result", work, result=result),
+            self._outcome(item.skipped or "result", work, result=result),
         )
 
     def _e2e_ms(
@@ -1164,15 +1321,7 @@ class InferencePipeline:
             ``ts`` minus the reference time (positive: device clock ahead), or None when ``ts``
             was trusted.
         """
-        source = work.source
-        if source.retry is not None:
-            arrived = source.retry.first_failed_ts
-        else:
-            stamp = getattr(getattr(source.event, "message", None), "timestamp", None)
-            if isinstance(stamp, int | float) and math.isfinite(stamp) and stamp > 0:
-                arrived = float(stamp)
-            else:
-                arrived = now - (time.monotonic() - source.received_at)
+        arrived = self._arrived(work.source, now)
         skew = request.ts - arrived
         bound = float(getattr(self.settings, "max_clock_skew_s", 300.0))
         if abs(skew) <= bound:

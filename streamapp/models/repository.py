@@ -72,6 +72,13 @@ class ModelConfig:
             None for no check. A value outside it is dead-lettered as ``out_of_range``: a model
             answers confidently for inputs it was never trained on (raw 0–255 pixels for the
             0–16 digits).
+        max_age_ms: Metadata ``queue_policy.max_age_ms``: how old a request may be when its
+            batch would start (milliseconds, measured from when it reached Kafka); an older
+            one gets an ``expired`` result and no engine time (docs/delivery.md). A request's
+            ``deadline`` replaces it. None: no limit.
+        latest_frame: Metadata ``queue_policy.latest_frame``: of several requests of one
+            device in one batch only the newest (the last read) is inferred, the others get a
+            ``superseded`` result naming it.
     """
 
     name: str
@@ -90,6 +97,13 @@ class ModelConfig:
     allow_non_finite: bool = False
     image: ImageConfig | None = None
     value_range: tuple[float, float] | None = None
+    max_age_ms: float | None = None
+    latest_frame: bool = False
+
+    @property
+    def has_queue_policy(self) -> bool:
+        """Whether the metadata sets a queue policy (a max age or latest-frame)."""
+        return self.max_age_ms is not None or self.latest_frame
 
     @classmethod
     def from_dir(cls, directory: Path) -> ModelConfig:
@@ -119,6 +133,7 @@ class ModelConfig:
                 allow_non_finite=_strict_bool(meta["request"].get("allow_non_finite", False)),
                 image=image,
                 value_range=_value_range(meta["request"].get("value_range")),
+                **_queue_policy(meta.get("queue_policy")),
             )
         except FileNotFoundError as exc:
             raise ConfigError(f"model folder {directory} has no metadata.json") from exc
@@ -344,6 +359,36 @@ def _value_range(value: Any) -> tuple[float, float] | None:
     if not (np.isfinite(low) and np.isfinite(high) and low <= high):
         raise ValueError(f"request.value_range must be finite with low <= high, got {value!r}")
     return low, high
+
+
+#: Keys of the metadata's ``queue_policy`` object.
+_QUEUE_POLICY_KEYS = ("max_age_ms", "latest_frame")
+
+
+def _queue_policy(value: Any) -> dict[str, Any]:
+    """Metadata ``queue_policy``: ``{"max_age_ms": number > 0 or null, "latest_frame": bool}``,
+    both optional; or absent. Returns the :class:`ModelConfig` fields it sets."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise TypeError(f"queue_policy must be an object, got {value!r}")
+    unknown = sorted(set(value) - set(_QUEUE_POLICY_KEYS))
+    if unknown:
+        raise ValueError(f"queue_policy has unknown key(s) {unknown}; keys: "
+                         f"{', '.join(_QUEUE_POLICY_KEYS)}")
+    out: dict[str, Any] = {}
+    age = value.get("max_age_ms")
+    if age is not None:
+        if (isinstance(age, bool) or not isinstance(age, int | float)
+                or not (np.isfinite(age) and age > 0)):
+            raise ValueError(f"queue_policy.max_age_ms must be a number of milliseconds > 0 or "
+                             f"null, got {age!r}")
+        out["max_age_ms"] = float(age)
+    latest = value.get("latest_frame", False)
+    if not isinstance(latest, bool):
+        raise TypeError(f"queue_policy.latest_frame must be true or false, got {latest!r}")
+    out["latest_frame"] = latest
+    return out
 
 
 def _strict_bool(value: Any) -> bool:

@@ -16,7 +16,9 @@ Two kinds of rows, both JSON objects:
      "_buckets": {"10000": [1796000000000, ...]},
      "_windows": {"tumbling_ms": 10000, "hopping_ms": 60000, "step_ms": 10000}}
 
-  ``total`` counts finished requests (results + dead letters; a retry is not finished).
+  ``total`` counts finished requests (results, dead letters, and the ``expired`` and
+  ``superseded`` requests of a queue policy, which appear in ``counts`` once a device has one;
+  a retry is not finished).
   ``state_reset`` (``{"reason", "detail", "at", "source"}``) is there only when the device's
   stored row could not be read and its counts started afresh at ``at``
   (:mod:`streamapp.tables.rows`); every later row keeps it. ``_buckets`` indexes the
@@ -25,7 +27,7 @@ Two kinds of rows, both JSON objects:
 
 * a **bucket row** per device, bucket size and bucket start (table ``device_windows``)::
 
-    {"count": 12, "results": 11, "dead_letters": 1, "retries": 0,
+    {"count": 12, "results": 11, "dead_letters": 1, "retries": 0, "skipped": 0,
      "e2e_sum_ms": 130.2, "e2e_n": 11, "e2e_max_ms": 20.1, "labels": {"3": 6, "8": 5}}
 
   (plus ``state_reset`` when the stored bucket could not be read and was started empty).
@@ -45,7 +47,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from streamapp.agents.observer import Outcome
+from streamapp.agents.observer import FINAL_KINDS, Outcome
 from streamapp.tables.windows import WindowPlan, WindowRange
 
 __all__ = [
@@ -57,8 +59,6 @@ __all__ = [
     "update_stats",
 ]
 
-#: Outcome kinds that finish a request.
-FINAL_KINDS = ("result", "dead_letter")
 _COUNT_KINDS = ("result", "dead_letter", "retry")
 _LATENCIES = ("e2e", "queue", "infer")
 
@@ -83,7 +83,7 @@ def empty_stats(device_id: str) -> dict[str, Any]:
 
 
 def _empty_bucket() -> dict[str, Any]:
-    return {"count": 0, "results": 0, "dead_letters": 0, "retries": 0,
+    return {"count": 0, "results": 0, "dead_letters": 0, "retries": 0, "skipped": 0,
             "e2e_sum_ms": 0.0, "e2e_n": 0, "e2e_max_ms": None, "labels": {}}
 
 
@@ -156,6 +156,9 @@ def _add_to_bucket(bucket: dict[str, Any], outcome: Outcome) -> None:
     if outcome.kind == "dead_letter":
         bucket["dead_letters"] += 1
         return
+    if outcome.kind != "result":  # expired or superseded: a queue policy skipped it
+        bucket["skipped"] += 1
+        return
     bucket["results"] += 1
     if _usable(outcome.e2e_ms):
         assert outcome.e2e_ms is not None
@@ -182,7 +185,7 @@ def merge_bucket(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> dict[
             continue
         if row.get("state_reset"):
             out["state_reset"] = row["state_reset"]
-        for name in ("count", "results", "dead_letters", "retries", "e2e_n"):
+        for name in ("count", "results", "dead_letters", "retries", "skipped", "e2e_n"):
             out[name] += int(row.get(name) or 0)
         out["e2e_sum_ms"] += float(row.get("e2e_sum_ms") or 0.0)
         top = row.get("e2e_max_ms")
@@ -251,7 +254,7 @@ def update_stats(
         index[size_text] = keep
     new = {
         "device_id": delta.device_id,
-        "total": sum(counts[k] for k in FINAL_KINDS),
+        "total": sum(counts.get(k, 0) for k in FINAL_KINDS),
         "counts": counts,
         "dead_letters_by_reason": _add_counts(
             dict(old.get("dead_letters_by_reason") or {}), delta.dead_letters_by_reason
@@ -312,7 +315,7 @@ def render_window(
     out = {
         "start": window.start_ms / 1000.0,
         "end": window.end_ms / 1000.0,
-        **{k: total[k] for k in ("count", "results", "dead_letters", "retries")},
+        **{k: total[k] for k in ("count", "results", "dead_letters", "retries", "skipped")},
         "e2e_mean_ms": round(e2e_sum / n, 3) if n else None,
         "e2e_max_ms": total["e2e_max_ms"],
         "labels": dict(sorted(total["labels"].items())),

@@ -189,6 +189,7 @@ class FaustDeviceTables:
         self.partitions = partitions
         self.sealer = ChangelogSealer(app, [stats, windows], enabled=seal_changelogs)
         self.guards: list[StoreWriteGuard] = []
+        self._guarded = False
         #: Row readers of the two tables (:mod:`streamapp.tables.rows`): a restored record or
         #: a stored row that cannot be read is logged, counted and reset, never raised.
         self.screens = {
@@ -226,8 +227,10 @@ class FaustDeviceTables:
                 self.request_topic, self.partition_of(device_key), device_key
             )
         self.sealer.touched(event.message.partition)
-        if not self.guards:
-            self.guards = [_guard(table) for table in (self.stats, self.windows)]
+        if not self._guarded:
+            self._guarded = True  # memory stores (exactly_once) have no database to guard
+            self.guards = [_guard(table) for table in (self.stats, self.windows)
+                           if hasattr(table.data, "_open_for_partition")]
         with event_context(event):
             yield
 
@@ -297,13 +300,23 @@ def define_tables(app: faust.App, settings: Settings) -> FaustDeviceTables:
     # replaces by the app's default (memory); ``rocksdb:<table name>`` is what the app-level
     # default expands to (files ``<datadir>/v1/tables/<name>-<partition>.db``).
     # options: Faust pops "driver" out of the mapping it is given, so one dict per table.
+    # exactly_once: a memory store, restored from the changelog (read_committed) on every
+    # start. A RocksDB store would keep the writes of a transaction that a crash aborted, and
+    # count those requests twice when they are processed again.
+    eos = settings.processing_guarantee == "exactly_once"
+
+    def store(name: str) -> dict[str, Any]:
+        if eos:
+            return {"store": "memory://"}
+        return {"store": f"rocksdb:{name}", "options": {"driver": "rocksdict"}}
+
     stats = app.Table(
-        STATS_TABLE, store=f"rocksdb:{STATS_TABLE}", options={"driver": "rocksdict"},
+        STATS_TABLE, **store(STATS_TABLE),
         help="Per-device counters, last result and latency EWMA (key: device id bytes).",
         **common,
     )
     windows = app.Table(
-        WINDOWS_TABLE, store=f"rocksdb:{WINDOWS_TABLE}", options={"driver": "rocksdict"},
+        WINDOWS_TABLE, **store(WINDOWS_TABLE),
         help="Per-device window buckets (key: device id bytes + NUL + size + start).",
         **common,
     )

@@ -134,7 +134,7 @@ def check_bucket_row(row: Any) -> str | None:
         return f"count is {_short(row.get('count'))}, not an int >= 0"
     return _first(
         *(_optional(row, name, _count, "an int >= 0")
-          for name in ("results", "dead_letters", "retries", "e2e_n")),
+          for name in ("results", "dead_letters", "retries", "skipped", "e2e_n")),
         _optional(row, "e2e_sum_ms", _number, "a number"),
         _optional(row, "e2e_max_ms", _number, "a number"),
         _optional(row, "labels", _counts, "an object of ints >= 0"),

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 
 import faust
 
+from streamapp.settings import web_token
+from streamapp.views.auth import WEB_AUTH_KEY, WebAuth
 from streamapp.views.devices import add_device_views
 from streamapp.views.errors import ApiError, ApiView, json_http_errors
 from streamapp.views.health import add_health_views
@@ -25,7 +27,7 @@ from streamapp.views.models import add_model_views
 if TYPE_CHECKING:
     from streamapp.state import WorkerState
 
-__all__ = ["ENDPOINTS", "ApiError", "ApiView", "api_reference", "install_views"]
+__all__ = ["ENDPOINTS", "ApiError", "ApiView", "WebAuth", "api_reference", "install_views"]
 
 #: ``(method, path, query parameters, description)`` of every endpoint.
 ENDPOINTS: tuple[tuple[str, str, str, str], ...] = (
@@ -78,15 +80,17 @@ ENDPOINTS: tuple[tuple[str, str, str, str], ...] = (
      "page is cut from a newer snapshot, so devices whose values changed in between can be "
      "skipped or repeated."),
     ("GET", "/devices/{device_id}", "",
-     "The device's stats from its owner (any worker forwards): `total`, `counts` by outcome, "
-     "dead letters and retries by reason, `last_seq`, `last_result`, `latency_ewma_ms`, "
+     "The device's stats from its owner (any worker forwards): `total`, `counts` by outcome "
+     "(`expired` and `superseded` too once the device has one, docs/delivery.md), dead "
+     "letters and retries by reason, `last_seq`, `last_result`, `latency_ewma_ms`, "
      "`clock_skew`, `first_seen`, `last_seen`, and `state_reset` (`reason`, `detail`, `at`, "
      "`source`) when its stored row could not be read and its counts started afresh at `at` "
      "(docs/tables.md). 404 when unknown."),
     ("GET", "/devices/{device_id}/windows", "`kind` (`tumbling`, `hopping`), "
      "`last` (1–what expiry keeps, 6)",
      "The device's `last` windows, oldest first, empty ones included: `start`, `end`, "
-     "`count`, `results`, `dead_letters`, `retries`, `e2e_mean_ms`, `e2e_max_ms`, `labels` "
+     "`count`, `results`, `dead_letters`, `retries`, `skipped` (expired or superseded by a "
+     "queue policy), `e2e_mean_ms`, `e2e_max_ms`, `labels` "
      "(and `state_reset` when a stored bucket of it could not be read)."),
 )
 
@@ -102,18 +106,27 @@ def api_reference() -> str:
 def install_views(app: faust.App, state: WorkerState) -> WebLimits:
     """Register every endpoint of :data:`ENDPOINTS` on ``app``, answer paths no endpoint
     serves with JSON errors too (:func:`~streamapp.views.errors.json_http_errors`), behind the
-    bounds of :mod:`streamapp.views.limits` (``web_max_concurrent_requests``,
-    ``web_max_requests_per_s``, ``web_cache_ms``).
+    web token (:mod:`streamapp.views.auth`: every route, those registered later included,
+    except ``web_open_paths``) and the bounds of :mod:`streamapp.views.limits`
+    (``web_max_concurrent_requests``, ``web_max_requests_per_s``, ``web_cache_ms``).
 
     Returns:
         The bounds' state (counters of refused requests).
+
+    Raises:
+        ConfigError: ``web_token_file`` cannot be read or holds no usable token.
     """
     settings = state.settings
     limits = WebLimits(settings.web_max_concurrent_requests, settings.web_max_requests_per_s)
+    auth = WebAuth(web_token(settings), settings.web_open_paths)
     # faust.web.Web's type has no web_app; the aiohttp driver (the only one) has. The JSON
-    # errors outermost: a refusal by the bounds is JSON already.
-    app.web.web_app.middlewares.append(json_http_errors)  # type: ignore[attr-defined]
-    app.web.web_app.middlewares.append(limits.middleware())  # type: ignore[attr-defined]
+    # errors outermost: a refusal by the bounds is JSON already. The token before the bounds:
+    # requests without it do not use up the rate bound of those with it.
+    web_app = app.web.web_app  # type: ignore[attr-defined]
+    web_app[WEB_AUTH_KEY] = auth
+    web_app.middlewares.append(json_http_errors)
+    web_app.middlewares.append(auth.middleware())
+    web_app.middlewares.append(limits.middleware())
     cache_s = settings.web_cache_ms / 1000.0
     add_health_views(app, state)
     add_metrics_view(app, state, cache_s)

@@ -5,7 +5,8 @@ missing assignment with an HTML 503, and two workers that briefly disagree about
 (during a rebalance) can bounce a request between them. Here the owner comes from the same
 assignment data (``app.router.table_metadata``: worker URL → changelog partitions), the partition
 from the key with Kafka's default partitioner, and a forwarded request carries
-:data:`FORWARDED_HEADER` so that it is answered where it lands, never forwarded twice.
+:data:`FORWARDED_HEADER` so that it is answered where it lands, never forwarded twice, and the
+worker's own web token (:mod:`streamapp.views.auth`), never the caller's other headers.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from faust.web import Request, Response, View
 from yarl import URL
 
 from streamapp.tables.faust_tables import FaustDeviceTables
+from streamapp.views.auth import WEB_AUTH_KEY
 from streamapp.views.errors import ApiError
 
 __all__ = ["FORWARDED_HEADER", "call_worker", "forward_to_owner", "group_urls", "owner_of",
@@ -74,10 +76,13 @@ async def forward_to_owner(
     if same_worker(owner, app.conf.canonical_url):
         return None
     target = str(URL(owner).with_path("/")).rstrip("/") + str(request.rel_url)
+    # faust's Request type has no app; the aiohttp driver's requests (the only ones) have
+    auth = request.app.get(WEB_AUTH_KEY)  # type: ignore[attr-defined]
+    headers = {FORWARDED_HEADER: str(app.conf.canonical_url), **(auth.headers() if auth else {})}
     try:
         async with app.http_client.get(
             target,
-            headers={FORWARDED_HEADER: str(app.conf.canonical_url)},
+            headers=headers,
             timeout=aiohttp.ClientTimeout(total=FORWARD_TIMEOUT_S),
         ) as answer:
             body = await answer.read()

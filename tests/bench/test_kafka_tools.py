@@ -141,6 +141,25 @@ def test_kafka_ratios_and_side_by_side_report() -> None:
 
 
 
+def test_the_exactly_once_comparison_is_side_by_side_with_its_ratios() -> None:
+    kafka = _side(40_000.0, 1_000.0, 80.0)
+
+    def side(rate: float, p99: float) -> dict[str, Any]:
+        return {"results_per_s": rate, "open_loop": {"rate": 500.0, "p50_ms": p99 / 2,
+                                                      "p99_ms": p99}}
+
+    kafka["exactly_once"] = {"commit_interval_ms": 100.0, "level": 0.5,
+                             "at_least_once": side(1_000.0, 40.0),
+                             "exactly_once": side(800.0, 120.0),
+                             "throughput_ratio": 0.8, "p99_ratio": 3.0}
+    results = {"profile": "t", "env": {}, "workloads": {},
+               "apache_kafka": {"version": "4.4.0", "jvm_opts": "-Xmx1G",
+                                "workloads": {"digits": kafka}}}
+    rows = {" ".join(line.split()) for line in format_report(results).splitlines()}
+    assert "saturation, results/s 1,000 800 0.800" in rows
+    assert "p99 at 500/s (50% of at_least_once sat.), ms 40.0 120.0 3.000" in rows
+
+
 def test_the_p99_target_on_apache_kafka_uses_its_own_round_trip_and_the_runs_engine() -> None:
     kafka = _side(40_000.0, 1_000.0, 80.0)
     kafka["roundtrip"] = {"p99_ms": 12.0, "level": 0.7}

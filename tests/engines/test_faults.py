@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -388,3 +389,16 @@ def test_digits_request_with_the_marker_pixel_fails_on_the_real_model() -> None:
     assert isinstance(run(engine, batch), EngineRuntimeError)  # type: ignore[arg-type]
     probs = run(engine, batch)  # type: ignore[arg-type]
     assert isinstance(probs, np.ndarray) and probs.shape == (3, 10)
+
+
+def test_batch_delay_makes_every_batch_sleep_and_bad_delays_are_refused() -> None:
+    spec = parse_faults({"rules": [], "batch_delay_ms": 30})
+    assert spec.batch_delay_ms == 30.0 and parse_faults([]).batch_delay_ms == 0.0
+    engine = FaultyEngine(FakeEngine(), spec.rules, batch_delay_ms=spec.batch_delay_ms)
+    feeds = {"input": np.zeros((2, 1, 8, 8), dtype=np.float32)}
+    started = time.perf_counter()
+    engine.infer(feeds)
+    assert time.perf_counter() - started >= 0.03
+    for bad in (-1, "30", True, 60_000):
+        with pytest.raises(ValueError, match="batch_delay_ms"):
+            parse_faults({"rules": [], "batch_delay_ms": bad})

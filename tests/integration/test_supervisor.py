@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -278,3 +279,35 @@ async def test_a_second_worker_in_a_used_data_dir_stops_with_one_clear_line(
     )
     assert out.result_ids() == {requests[0][1].request_id}
     assert worker.process is not None and worker.process.poll() is None
+
+
+def test_a_single_worker_on_web_port_0_serves_on_the_port_it_names(
+    kafka_broker: EmbeddedBroker, worker_settings: Settings, tmp_path: Path,
+) -> None:
+    # The help says 0 is a free port: a single worker (no --processes) picks one and says which.
+    log_path = tmp_path / "worker.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "streamapp", "worker", "--web-port", "0"],
+            env=_env(worker_settings, tmp_path / "data"), stdout=log, stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 120
+        port = None
+        while port is None and time.monotonic() < deadline and proc.poll() is None:
+            found = re.search(r"web port 0: this worker serves on port (\d+)",
+                              log_path.read_text(errors="replace"))
+            port = int(found[1]) if found else None
+            time.sleep(0.1)  # polling a file the worker writes
+        assert port, log_path.read_text(errors="replace")[-3000:]
+        health = None
+        while health is None and time.monotonic() < deadline and proc.poll() is None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                    health = r.status
+            except (urllib.error.URLError, ConnectionError):
+                time.sleep(0.1)
+        assert health == 200, log_path.read_text(errors="replace")[-3000:]
+    finally:
+        proc.terminate()
+        proc.wait(90)

@@ -352,3 +352,79 @@ def test_exactly_one_of_emit_and_emit_many() -> None:
     with pytest.raises(ValueError, match="exactly one"):
         MicroBatcher(rec.run_batch, max_batch_size=1, max_batch_delay_ms=0,
                      max_inflight_batches=1)
+
+
+# -- screening at batch start (queue policy) ------------------------------------------------------
+
+
+async def test_screen_completes_items_unrun_when_their_batch_starts_and_keeps_put_order() -> None:
+    rec, clock = Recorder(), FakeClock()
+    rec.gated = True
+    seen: list[list[Any]] = []
+
+    def screen(key: Hashable, items: list[Any]) -> list[Any]:
+        seen.append(list(items))
+        return [f"skipped {i}" if i % 2 else None for i in items]
+
+    async with make(rec, clock, max_batch_size=4, max_inflight_batches=1,
+                    screen=screen) as batcher:
+        for i in range(4):
+            batcher.put_nowait(i, screened=True)  # batch 0 (runs at once)
+        for i in range(4, 8):
+            batcher.put_nowait(i, screened=True)  # batch 1: waits for the slot
+        await wait_for(lambda: len(rec.batches) == 1)
+        assert seen == [[0, 1, 2, 3]]  # batch 1 is screened only when it can start
+        rec.release(0)
+        await wait_for(lambda: len(rec.batches) == 2)
+        assert seen == [[0, 1, 2, 3], [4, 5, 6, 7]]
+        rec.release(1)
+        await wait_for(lambda: len(rec.emitted) == 8)
+    assert [c.item for c in rec.emitted] == list(range(8))
+    assert [items for _, items in rec.batches] == [[0, 2], [4, 6]]  # the engine saw only these
+    assert [c.result for c in rec.emitted] == [
+        "r0", "skipped 1", "r2", "skipped 3", "r4", "skipped 5", "r6", "skipped 7"]
+    assert [c.batch is None for c in rec.emitted] == [False, True] * 4
+    assert [c.batch.size for c in rec.emitted if c.batch] == [2, 2, 2, 2]
+    assert batcher.stats.screened_out == 4 and batcher.stats.batches == 2
+
+
+async def test_a_batch_whose_items_are_all_screened_out_never_runs() -> None:
+    rec, clock = Recorder(), FakeClock()
+    async with make(rec, clock, max_batch_size=2, screen=lambda k, items: ["x"] * len(items)
+                    ) as batcher:
+        batcher.put_nowait("a", screened=True)
+        batcher.put_nowait("b", screened=True)
+        batcher.put_nowait("c")  # the next batch: not screened
+        clock.advance(0.05)
+        await wait_for(lambda: len(rec.emitted) == 3)
+    assert rec.batches == [(None, ["c"])]
+    assert [c.result for c in rec.emitted] == ["x", "x", "rc"]
+    assert (batcher.stats.batches, batcher.stats.empty_batches) == (1, 1)
+
+
+async def test_batches_without_a_screened_item_skip_the_screen() -> None:
+    rec, clock = Recorder(), FakeClock()
+    calls: list[Any] = []
+
+    def screen(key: Hashable, items: list[Any]) -> None:
+        calls.append(items)
+
+    async with make(rec, clock, max_batch_size=2, screen=screen) as batcher:
+        batcher.put_nowait(1)
+        batcher.put_nowait(2)
+        await wait_for(lambda: len(rec.emitted) == 2)
+    assert calls == [] and rec.batches == [(None, [1, 2])]
+
+
+@pytest.mark.parametrize("screen", [
+    lambda k, items: 1 / 0,  # raises
+    lambda k, items: ["x"],  # wrong length
+])
+async def test_a_broken_screen_runs_the_batch_whole(screen: Any) -> None:
+    rec, clock = Recorder(), FakeClock()
+    async with make(rec, clock, max_batch_size=2, screen=screen) as batcher:
+        batcher.put_nowait(1, screened=True)
+        batcher.put_nowait(2, screened=True)
+        await wait_for(lambda: len(rec.emitted) == 2)
+    assert rec.batches == [(None, [1, 2])]
+    assert [c.result for c in rec.emitted] == ["r1", "r2"]

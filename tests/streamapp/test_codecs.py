@@ -4,6 +4,7 @@ rejected with the reason code a dead letter will carry, and a message that names
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import time
 import tracemalloc
@@ -537,6 +538,7 @@ def test_every_decode_reason_is_reachable() -> None:
         "bad_timestamp": lambda: as_json(json_body(ts=0)),
         "bad_device_id": lambda: as_json(json_body(device_id="tab\tdev")),
         "ambiguous_input": lambda: as_json(json_body(image="")),
+        "bad_deadline": lambda: as_json({**json_body(), "deadline": 0}),
     }
     seen = {name: rejection(make()).reason for name, make in cases.items()}
 
@@ -720,3 +722,35 @@ def test_key_is_compared_as_utf8_bytes() -> None:
     check_key("kamera-ö".encode(), request)  # passes
     with pytest.raises(InvalidRequestError, match="not the request"):
         check_key("kamera-ö".encode("latin-1"), request)
+
+
+# -- the optional deadline field (queue policy) --------------------------------------------------
+
+
+@pytest.mark.parametrize("codec", ["json", "msgpack"])
+def test_a_deadline_round_trips_and_its_absence_leaves_the_value_unchanged(codec: str) -> None:
+    tensor = TensorPayload("uint8", (8, 8), bytes(64))
+    plain = InferenceRequest("r-1", "dev-7", 3, 1_700_000_000.5, "digits", tensor=tensor)
+    timed = dataclasses.replace(plain, deadline=200.0)
+
+    assert decode_request(encode_request(timed, codec)).deadline == 200.0  # type: ignore[arg-type]
+    value = encode_request(plain, codec)  # type: ignore[arg-type]
+    assert b"deadline" not in value  # what an old worker or reader gets is unchanged
+    assert decode_request(value).deadline is None
+    # an old worker ignores the field; a new one reads an int or a null too
+    assert decode_request(as_json({**json_body(), "deadline": 150})).deadline == 150.0
+    assert decode_request(as_json({**json_body(), "deadline": None})).deadline is None
+
+
+@pytest.mark.parametrize(
+    ("deadline", "reason"),
+    [(0, "bad_deadline"), (-5, "bad_deadline"), (86_400_001, "bad_deadline"),
+     (10**400, "bad_deadline"), ("200", "wrong_type"), (True, "wrong_type"),
+     ([200], "wrong_type")],
+    ids=["zero", "negative", "over-a-day", "huge-int", "string", "bool", "list"],
+)
+def test_a_bad_deadline_is_rejected_with_a_reason(deadline: Any, reason: str) -> None:
+    error = rejection(as_json({**json_body(), "deadline": deadline}))
+
+    assert error.reason == reason and "'deadline'" in error.message
+    assert error.fields["request_id"] == "r-1"

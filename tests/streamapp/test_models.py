@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -163,3 +164,34 @@ def test_top_k_of_all_classes(digits: ModelConfig) -> None:
 
     assert [t["label"] for t in top] == [str(d) for d in range(9, -1, -1)]
     assert all(isinstance(t["score"], float) for t in top)
+
+
+def _model_with_policy(tmp_path: Path, policy: Any) -> ModelConfig:
+    meta = json.loads((BUNDLED_MODELS_DIR / "digits" / "metadata.json").read_text())
+    meta["queue_policy"] = policy
+    (tmp_path / "policed").mkdir(exist_ok=True)
+    (tmp_path / "policed" / "metadata.json").write_text(json.dumps(meta))
+    return ModelRepository(tmp_path).get("policed")
+
+
+def test_queue_policy_keys_are_read_and_absent_means_none(
+    tmp_path: Path, digits: ModelConfig
+) -> None:
+    assert (digits.max_age_ms, digits.latest_frame, digits.has_queue_policy) == (
+        None, False, False)
+    config = _model_with_policy(tmp_path, {"max_age_ms": 200, "latest_frame": True})
+    assert (config.max_age_ms, config.latest_frame, config.has_queue_policy) == (
+        200.0, True, True)
+    assert _model_with_policy(tmp_path, {"latest_frame": True}).max_age_ms is None
+
+
+@pytest.mark.parametrize(
+    ("policy", "says"),
+    [({"max_age_ms": 0}, "max_age_ms"), ({"max_age_ms": "200"}, "max_age_ms"),
+     ({"latest_frame": 1}, "latest_frame"), ({"max_age": 200}, "unknown key"),
+     ([200], "queue_policy")],
+    ids=["zero", "string", "int-flag", "typo", "not-an-object"],
+)
+def test_a_bad_queue_policy_is_a_config_error(tmp_path: Path, policy: Any, says: str) -> None:
+    with pytest.raises(ConfigError, match=says):
+        _model_with_policy(tmp_path, policy)

@@ -181,3 +181,11 @@ async def test_records_that_are_not_results_get_a_line_each(
     assert lines[5].split()[:2] == ["cam-2", "5"]
     assert len(lines) == 6
     assert "5 shown of 5 matching (all) of 5 records read from" in out.stderr
+
+
+def test_an_expired_or_superseded_request_shows_its_outcome_as_the_label() -> None:
+    for outcome, shown in (("expired", "expired"), ("superseded", "superse…")):  # 8 columns
+        line = format_result_line(entry(result(outputs={}, outcome=outcome)))
+        assert line.split()[-3:] == [shown, "-", "12.3"]
+    answered = format_result_line(entry(result(outcome="answered")))
+    assert answered == format_result_line(entry(result()))

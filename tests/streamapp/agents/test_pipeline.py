@@ -179,12 +179,14 @@ StartPipeline = Callable[..., Awaitable[InferencePipeline]]
 @pytest.fixture
 async def start_pipeline(digits_config: ModelConfig) -> AsyncIterator[StartPipeline]:
     """``await start_pipeline(executor, sink, **settings)``: a started pipeline serving
-    ``digits`` on ``executor``; stopped and the executor closed after the test."""
+    ``digits`` (or ``config=``) on ``executor``; stopped and the executor closed after the
+    test."""
     started: list[tuple[InferencePipeline, ThreadExecutor]] = []
 
     async def start(
         executor: ThreadExecutor, sink: FakeSink, *, retry_store: Any = None,
-        observers: Sequence[Any] = (), highwater: Any = None, **settings: Any
+        observers: Sequence[Any] = (), highwater: Any = None,
+        config: ModelConfig | None = None, **settings: Any
     ) -> InferencePipeline:
         options: dict[str, Any] = {
             "max_batch_size": 4,
@@ -196,7 +198,7 @@ async def start_pipeline(digits_config: ModelConfig) -> AsyncIterator[StartPipel
         }
         pipeline = InferencePipeline(
             Settings(**options),
-            {"digits": LoadedModel(digits_config, executor)},
+            {"digits": LoadedModel(config or digits_config, executor)},
             sink,
             worker=WORKER,
             retry_store=retry_store,

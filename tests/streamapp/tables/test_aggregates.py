@@ -99,7 +99,8 @@ def test_merge_and_render_a_window() -> None:
     shown = render_window(window, [merged])
     assert shown == {
         "start": 1_000.0, "end": 1_010.0, "count": 3, "results": 2, "dead_letters": 1,
-        "retries": 1, "e2e_mean_ms": 30.0, "e2e_max_ms": 50.0, "labels": {"1": 2},
+        "retries": 1, "skipped": 0, "e2e_mean_ms": 30.0, "e2e_max_ms": 50.0,
+        "labels": {"1": 2},
     }
     empty = render_window(window, [None])
     assert (empty["count"], empty["e2e_mean_ms"], empty["labels"]) == (0, None, {})
@@ -138,3 +139,21 @@ def test_skewed_clocks_are_counted_per_device() -> None:
     assert row["clock_skew"] == {"count": 1, "last_ms": 82_800_000.0, "last_ts": 1_001.0}
     row, _ = update_stats(row, delta_of(outcome(seq=2)), PLAN, alpha=0.5, now_s=1_002.0)
     assert row["clock_skew"]["count"] == 1
+
+
+def test_expired_and_superseded_requests_finish_and_count_apart_from_results() -> None:
+    delta = delta_of(outcome(seq=0, label="7"), outcome("expired", seq=1),
+                     outcome("superseded", seq=2), outcome("expired", seq=3))
+    row, _ = update_stats(None, delta, PLAN, alpha=0.5, now_s=1_000.0)
+
+    assert row["counts"] == {"result": 1, "dead_letter": 0, "retry": 0, "expired": 2,
+                             "superseded": 1}
+    assert row["total"] == 4 and row["last_seq"] == 3  # skipped requests are finished
+    assert row["last_result"]["seq"] == 0  # but they are not results
+    assert row["latency_ewma_ms"]["e2e"] == 10.0
+    bucket = delta.buckets[(10_000, 1_000_000)]
+    assert (bucket["count"], bucket["results"], bucket["skipped"]) == (4, 1, 3)
+    assert bucket["labels"] == {"7": 1}
+    # a device without skipped requests keeps the row it had before the queue policy
+    plain, _ = update_stats(None, delta_of(outcome()), PLAN, alpha=0.5, now_s=1_000.0)
+    assert plain["counts"] == {"result": 1, "dead_letter": 0, "retry": 0}
