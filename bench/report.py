@@ -301,6 +301,11 @@ def format_report(results: Mapping[str, Any]) -> str:
         if sat:
             row(f"product at saturation (closed loop, {sat['window']} out)",
                 sat["results_per_s"], sat)
+        qp = w.get("queue_policy")
+        if qp:
+            row(f"  the same, every request with deadline {qp['deadline_ms']:,.0f} ms "
+                f"(queue policy on: {_f(qp.get('throughput_ratio'), '.2f')} of off)",
+                qp["results_per_s"], qp["saturation"])
         for o in w.get("open_loop", []):
             label = f"product open loop {o['level']:.0%} ({o['rate']:,.0f}/s offered)"
             row(label + ("" if o.get("complete") else " INCOMPLETE"), o["results_per_s"], o)

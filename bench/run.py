@@ -78,6 +78,10 @@ class Plan:
     #: measured at its rate (the p99 budget's transport term) when ``roundtrip``.
     p99_level: float = 0.7
     roundtrip: bool = True
+    #: The queue policy's cost (issue 20): saturation again on a fresh worker with every
+    #: request carrying a ``deadline`` none reaches (:data:`POLICY_DEADLINE_MS`), so each
+    #: batch is screened and none expires; the ratio to the plain saturation.
+    policy_ab: bool = False
     #: Records of the produce-only anchor on Apache Kafka: aiokafka alone, then Kafka's
     #: ProducerPerformance (a fifth of them its warm-up) and ConsumerPerformance.
     perf_n: int = 200_000
@@ -125,12 +129,12 @@ PROFILES: dict[str, Profile] = {
         Plan("digits", engine_s=0.5, transport_n=5000, sat_warmup_s=1.0, sat_s=1.5,
              loads=(0.5,), p99_level=0.5, ol_warmup_s=0.5, ol_s=1.0, drain_s=20.0,
              fresh_per_level=False, seeds_warmup_s=0.5, seeds_s=1.0, async_inflight=0,
-             profile_s=1.0, window=300, perf_n=20_000),
+             profile_s=1.0, window=300, perf_n=20_000, policy_ab=True),
     ), backlog_n=5_000, backlog_s=2.0, brokers=("embedded", "kafka")),
     # make bench: the 2-core CPU machine, ONNX Runtime; Apache Kafka beside the embedded broker
     # (on Kafka: every ceiling, the product for digits only: ResNet-50 is engine-bound).
     "cpu": Profile("cpu", (
-        Plan("digits", profile_s=8.0),
+        Plan("digits", profile_s=8.0, policy_ab=True),
         Plan("resnet50-image", **_RESNET_CPU),  # type: ignore[arg-type]
         Plan("resnet50-tensor", **{**_RESNET_CPU, "loads": (),  # type: ignore[arg-type]
                                    "perf_n": 1_000}),
@@ -144,7 +148,7 @@ PROFILES: dict[str, Profile] = {
         Plan("digits", backend="torch", batch=64, inflight=2, partitions=8, window=4096,
              engine_s=2.0, transport_n=100_000, sat_warmup_s=12.0, sat_s=5.0, ol_warmup_s=1.5,
              ol_s=3.5, seeds_warmup_s=4.0, seeds_s=3.5, profile_s=4.0, drain_s=10.0,
-             worker_warmup_s=8.0),
+             worker_warmup_s=8.0, policy_ab=True),
         Plan("resnet50-image", **{**_RESNET_GPU, "profile_s": 4.0}),  # type: ignore[arg-type]
         # camera JPEGs decoded on the GPU (nvJPEG) by the torch backend (issue 11)
         Plan("resnet50-jpeg", **{**_RESNET_GPU, "loads": (0.7,),  # type: ignore[arg-type]
@@ -400,6 +404,8 @@ class Bench:
                               out=out)
         out["saturation"] = sat
         peak = sat["results_per_s"]
+        if plan.policy_ab:
+            out["queue_policy"] = self.queue_policy(plan, peak)
         out["open_loop"] = []
         for level in plan.loads:
             rate = max(1.0, level * peak)
@@ -499,6 +505,19 @@ class Bench:
         if at and plan.roundtrip:
             out["roundtrip"] = {**self.roundtrip(plan, wl, at[0]["rate"]),
                                 "level": plan.p99_level}
+
+    def queue_policy(self, plan: Plan, plain_per_s: float) -> dict[str, Any]:
+        """Saturation with the queue policy on (``Plan.policy_ab``) beside ``plain_per_s``."""
+        wl = workload(plan.workload, run=f"{self.run_id}-dl", models_dir=self._models_dir(plan),
+                      fields={"deadline": POLICY_DEADLINE_MS})
+        sat = self.saturation(plan, wl, label=f"saturation, deadline {POLICY_DEADLINE_MS:.0f} ms")
+        expired = sat.get("dead_letters_or_other", 0)
+        ratio = round(sat["results_per_s"] / plain_per_s, 3) if plain_per_s else None
+        self.log(f"  queue policy on ÷ off: throughput {_f(ratio, '.2f')} "
+                 f"({sat['results_per_s']:,.0f} / {plain_per_s:,.0f} results/s)")
+        return {"deadline_ms": POLICY_DEADLINE_MS, "results_per_s": sat["results_per_s"],
+                "plain_results_per_s": plain_per_s, "throughput_ratio": ratio,
+                "dead_letters_or_other": expired, "saturation": sat}
 
     def exactly_once(self, plan: Plan, wl: Workload) -> dict[str, Any]:
         """``processing_guarantee`` side by side on this Apache Kafka (issue 21): for each
@@ -666,6 +685,10 @@ def _rss_at(samples: list[tuple[float, float]], t: float) -> float | None:
     return round(after[0], 1) if after else None
 
 
+#: The ``deadline`` of every request on the policy side of ``Plan.policy_ab`` (ms): far beyond
+#: any latency of a run, so the screening runs on every batch and nothing expires.
+POLICY_DEADLINE_MS = 60_000.0
+
 #: Commit interval of both sides of the exactly_once comparison (ms): each exactly_once
 #: transaction spans one interval (docs/delivery.md: 100 ms is a good value).
 EOS_COMMIT_INTERVAL_MS = 100.0
@@ -721,8 +744,10 @@ def _cpu_model() -> str:
 def estimate_s(plan: Plan, start_s: float) -> float:
     """Rough seconds a plan takes (``start_s``: one worker start)."""
     runs = 1 + (len(plan.loads) if plan.fresh_per_level else 0) + (
-        (2 if plan.async_inflight else 1) if plan.seeds else 0) + (1 if plan.forwarder else 0)
+        (2 if plan.async_inflight else 1) if plan.seeds else 0) + (1 if plan.forwarder else 0) + (
+        1 if plan.policy_ab else 0)
     measured = (plan.sat_warmup_s + plan.sat_s + plan.profile_s
+                + (plan.sat_warmup_s + plan.sat_s if plan.policy_ab else 0)
                 + len(plan.loads) * (plan.worker_warmup_s + plan.ol_warmup_s + plan.ol_s + 2)
                 + (2 * (plan.seeds_warmup_s + plan.seeds_s) if plan.seeds else 0)
                 + (plan.sat_warmup_s + plan.sat_s if plan.forwarder else 0))

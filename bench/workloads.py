@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -49,16 +49,18 @@ class Workload:
     describe: str
 
 
-def _payload_fn(model: str, inputs: list[dict[str, Any]], run: str, devices: int = DEVICES
+def _payload_fn(model: str, inputs: list[dict[str, Any]], run: str, devices: int = DEVICES,
+                fields: Mapping[str, Any] | None = None,
                 ) -> Callable[[int, float], tuple[bytes, bytes]]:
     keys = [f"device-{d:02d}" for d in range(devices)]
     key_bytes = [k.encode() for k in keys]
     packb = msgpack.packb
+    extra = dict(fields or {})
 
     def payload(n: int, ts: float) -> tuple[bytes, bytes]:
         d = n % devices
         body = {"request_id": f"{run}-{n}", "device_id": keys[d], "seq": n // devices,
-                "ts": ts, "model": model, **inputs[n % len(inputs)]}
+                "ts": ts, "model": model, **extra, **inputs[n % len(inputs)]}
         return key_bytes[d], packb(body, use_bin_type=True)
 
     return payload
@@ -122,22 +124,25 @@ def _digits_images(side: int = 256) -> list[dict[str, Any]]:
 
 
 def workload(name: str, *, run: str, models_dir: Path | None = None,
-             tensor_dtype: str = "float16", devices: int = DEVICES) -> Workload:
-    """Build a workload; ``run`` prefixes request ids; requests cycle over ``devices`` keys."""
+             tensor_dtype: str = "float16", devices: int = DEVICES,
+             fields: Mapping[str, Any] | None = None) -> Workload:
+    """Build a workload; ``run`` prefixes request ids; requests cycle over ``devices`` keys;
+    ``fields`` are added to every request (e.g. ``{"deadline": 60000.0}``: the queue policy
+    on, issue 20)."""
     if name == "digits":
         inputs = _digits_inputs()
         return _make(name, "digits", None, inputs, run,
-                     "scikit-learn digits, uint8[8, 8] tensors, msgpack", devices)
+                     "scikit-learn digits, uint8[8, 8] tensors, msgpack", devices, fields)
     if name == "digits-image":
         return _make(name, "digits", None, _digits_images(), run,
                      "scikit-learn digits as 256x256 grey PNGs, decoded in the worker, msgpack",
-                     devices)
+                     devices, fields)
     if name == "resnet50-jpeg":
         jpegs = camera_jpegs()
         return _make(name, "resnet50", models_dir, [{"image": j} for j in jpegs], run,
                      f"the photos as 640x480 camera JPEGs ({min(map(len, jpegs)) // 1000}-"
                      f"{max(map(len, jpegs)) // 1000} kB), decoded on the GPU (nvJPEG) with the "
-                     "torch backend, else in the worker's decode pool, msgpack", devices)
+                     "torch backend, else in the worker's decode pool, msgpack", devices, fields)
     if name in ("resnet50-image", "resnet50-tensor"):
         from streamapp.models import ModelRepository
 
@@ -147,7 +152,7 @@ def workload(name: str, *, run: str, models_dir: Path | None = None,
             sizes = f"{min(map(len, jpegs)) // 1000}-{max(map(len, jpegs)) // 1000} kB"
             return _make(name, "resnet50", models_dir, inputs, run,
                          f"{len(jpegs)} scikit-image photos as JPEG ({sizes}), decoded, resized "
-                         "and normalized in the worker, msgpack", devices)
+                         "and normalized in the worker, msgpack", devices, fields)
         config = ModelRepository(models_dir).get("resnet50")
         assert config.image is not None
         inputs = []
@@ -157,13 +162,14 @@ def workload(name: str, *, run: str, models_dir: Path | None = None,
                                       "data": array.tobytes()}})
         return _make(name, "resnet50", models_dir, inputs, run,
                      f"the same photos pre-processed at the gateway: {tensor_dtype}[3, 224, 224] "
-                     "tensors, msgpack", devices)
+                     "tensors, msgpack", devices, fields)
     raise ValueError(f"unknown workload {name!r}")
 
 
 def _make(name: str, model: str, models_dir: Path | None, inputs: list[dict[str, Any]],
-          run: str, describe: str, devices: int = DEVICES) -> Workload:
-    payload = _payload_fn(model, inputs, run, devices)
+          run: str, describe: str, devices: int = DEVICES,
+          fields: Mapping[str, Any] | None = None) -> Workload:
+    payload = _payload_fn(model, inputs, run, devices, fields)
     size = int(np.mean([len(payload(i, 1.8e9)[1]) for i in range(min(len(inputs), 64))]))
     return Workload(name, model, models_dir, payload, size, describe)
 
