@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import numpy as np
 
 from streamapp.agents.pipeline import InferencePipeline, SourceMessage
@@ -97,7 +98,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                                  worker="bench")
     await pipeline.start()
     swapper = ModelSwapper(settings, lambda: pipeline)
-    value = [_value(config, d, 0) for d in range(DEVICES)]
+    # one tensor per device, a request id per request: two requests of one device in one batch
+    # with the same id would be duplicate_request_id dead letters, not engine work
+    base = [_value(config, d, 0) for d in range(DEVICES)]
+    value = [msgpack.unpackb(b, raw=False) for b in base]
     read_at: list[float] = []
     stop = asyncio.Event()
 
@@ -109,8 +113,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             messages = []
             for d in range(DEVICES):
                 offset += 1
-                messages.append(SourceMessage(f"d{d}".encode(), value[d], "bench", d, offset,
-                                              ack=lambda: None))
+                body = {**value[d], "request_id": f"d{d}-{offset}", "seq": offset}
+                messages.append(SourceMessage(f"d{d}".encode(),
+                                              msgpack.packb(body, use_bin_type=True), "bench", d,
+                                              offset, ack=lambda: None))
                 read_at.append(now)
             await pipeline.handle_many(messages)
             next_at += interval
