@@ -92,6 +92,10 @@ def bad_input_records(device: str = "dev-bad", now: float | None = None) -> list
         ("ts-zero", "bad_timestamp", key, js("ts-zero", ts=0)),
         ("ts-milliseconds", "bad_timestamp", key, js("ts-milliseconds", ts=ts * 1000)),
         ("unknown-model", "unknown_model", key, js("unknown-model", model="resnet-9000")),
+        ("version-not-loaded", "unknown_model_version", key, js("version-not-loaded",
+                                                                model_version="99")),
+        ("deadline-zero", "bad_deadline", key, js("deadline-zero", deadline=0)),
+        ("deadline-inf", "bad_deadline", key, mp("deadline-inf", deadline=float("inf"))),
         *((f"device-{kind}", "bad_device_id", bad_id.encode(), js(f"device-{kind}",
                                                                 device_id=bad_id))
           for kind, bad_id in (("tab", "tab\tdev"), ("nul", "nul\x00dev"),

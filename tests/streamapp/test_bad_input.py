@@ -42,6 +42,9 @@ def reason_of(record: BadInput, models: dict[str, ModelConfig]) -> str | None:
         check_key(record.key, request)
         if request.model not in models:
             return "unknown_model"
+        # a worker that loaded only the current version (the pipeline's check)
+        if request.model_version not in (None, models[request.model].version):
+            return "unknown_model_version"
         models[request.model].preprocess(request)
     except InvalidRequestError as exc:
         return exc.reason
