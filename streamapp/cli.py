@@ -49,26 +49,15 @@ Broker = Annotated[
 ]
 
 
-def _unreachable(bootstrap: str, exc: BaseException) -> str:
-    """One line for a Kafka client error: what failed, then what to check."""
-    from streamapp.kafka import describe_error
-
-    if isinstance(exc, KafkaConnectionError):
-        what = "no broker answered (connection refused or timed out)"
-    else:
-        what = describe_error(exc)
-    return (
-        f"cannot talk to the broker at {bootstrap}: {what}. Is it running (streamapp broker), "
-        "and are --broker / STREAMAPP_BROKER and the security settings right?"
-    )
-
-
 def _error_line(exc: BaseException, bootstrap: str, settings: Any = None) -> str:
     """The one line every command prints for a failure: a Kafka client error, or one of ours
-    that a broker which did not answer caused, as :func:`_unreachable` words it; ours else.
+    that a broker which did not answer caused, as :func:`streamapp.kafka.unreachable_line` words
+    it; ours else.
     A refused login, certificate or ACL says which (:class:`SecurityError`; with
     ``settings``, a Kafka client error is looked into:
     :func:`streamapp.kafka.connection_error`)."""
+    from streamapp.kafka import unreachable_line
+
     if isinstance(exc, SecurityError):
         return str(exc)
     client_error = exc if isinstance(exc, KafkaError) else exc.__cause__
@@ -79,9 +68,9 @@ def _error_line(exc: BaseException, bootstrap: str, settings: Any = None) -> str
         if isinstance(found, SecurityError):
             return str(found)
     if isinstance(exc, KafkaError):
-        return _unreachable(bootstrap, exc)
+        return unreachable_line(bootstrap, exc)
     if isinstance(exc.__cause__, KafkaConnectionError) and not isinstance(exc, PublishError):
-        return _unreachable(bootstrap, exc.__cause__)
+        return unreachable_line(bootstrap, exc.__cause__)
     return str(exc)
 
 
@@ -393,6 +382,11 @@ def publish(
     codec: Annotated[str, typer.Option(help="json (base64 tensors) or msgpack.")] = "json",
     topic_prefix: Annotated[Optional[str], typer.Option()] = None,
     model: Annotated[str, typer.Option(help="Model name put in each request.")] = "digits",
+    deadline: Annotated[Optional[float], typer.Option(
+        metavar="MS", help="Relative deadline of each request, milliseconds (above 0, at most "
+        "86400000): older when its batch would start, a request gets an expired result "
+        "instead of a prediction (docs/delivery.md, Queue policy). Default: the model's "
+        "queue policy, if any.")] = None,
 ) -> None:
     """Publish frames keyed by device: scikit-learn's handwritten digits, or one's own files
     (--file, --dir, stdin).
@@ -405,12 +399,17 @@ def publish(
     """
     from streamapp.client import check_request_size, frame_requests, load_digits_frames
     from streamapp.client import publish as publish_requests
+    from streamapp.frames import checked_deadline
     from streamapp.kafka import kafka_security_options
     from streamapp.records import TensorPayload
     from streamapp.settings import load_settings
 
     if codec not in ("json", "msgpack"):
         raise _fail(f"--codec must be json or msgpack, got {codec!r}", 2)
+    try:
+        checked_deadline(deadline, "--deadline", "leave it out")
+    except StreamAppError as exc:
+        raise _fail(str(exc), 2) from None
     files = file or []
     if files.count("-") > 1:
         raise _fail("--file - (stdin) can be given once", 2)
@@ -426,7 +425,8 @@ def publish(
         n = count or len(inputs)
         indices = [i % len(inputs) for i in range(n)]
         device_ids = [device] if device else [f"device-{d:02d}" for d in range(devices)]
-        requests = frame_requests(inputs, device_ids=device_ids, model=model, indices=indices)
+        requests = frame_requests(inputs, device_ids=device_ids, model=model, indices=indices,
+                                  deadline=deadline)
         for index, request in requests[:len(inputs)]:  # the others repeat these
             check_request_size(request, codec, settings.max_request_bytes,  # type: ignore[arg-type]
                                names[index])

@@ -21,18 +21,19 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from aiokafka.errors import KafkaError
+from aiokafka.errors import KafkaConnectionError, KafkaError
 from tqdm import tqdm
 
 from streamapp.codecs import CodecName, decode_dead_letter, decode_result, encode_request
 from streamapp.exceptions import BrokerError, FrameError, PublishError, ReplyTimeoutError
-from streamapp.frames import Frame, make_request
+from streamapp.frames import Frame, checked_deadline, make_request
 from streamapp.kafka import (
     IsolationLevel,
     describe_error,
     ensure_topics,
     partitions_of,
     start_or_close,
+    unreachable_line,
 )
 from streamapp.records import DeadLetter, InferenceRequest, TensorPayload
 from streamapp.replies import Reply, ReplyWaiter
@@ -42,6 +43,9 @@ if TYPE_CHECKING:
     from streamapp.settings import Settings
 
 _T = TypeVar("_T")
+
+#: Where a client's broker address comes from, for the hint of an unreachable broker.
+_BROKER_SETTING = "the broker argument / STREAMAPP_BROKER"
 
 __all__ = [
     "AsyncClient",
@@ -101,6 +105,7 @@ def digits_requests(
     model: str = "digits",
     run_id: str | None = None,
     indices: Sequence[int] | None = None,
+    deadline: float | None = None,
 ) -> list[tuple[int, InferenceRequest]]:
     """Turn images into requests from ``devices`` devices, round-robin, with per-device ``seq``.
 
@@ -110,16 +115,21 @@ def digits_requests(
         model: Model name put in each request.
         run_id: Prefix of request ids (default: random), so runs never collide.
         indices: Which images to send, in order (default: all).
+        deadline: Relative deadline of every request, milliseconds (as
+            :meth:`AsyncClient.send`); None: the model's queue policy, if any.
 
     Returns:
         ``(image index, request)`` pairs in send order; ``ts`` is filled in when sent.
+
+    Raises:
+        FrameError: ``deadline`` is out of range (:func:`streamapp.frames.checked_deadline`).
     """
     if devices < 1:
         raise ValueError(f"devices must be >= 1, got {devices}")
     tensors = [TensorPayload(str(image.dtype), image.shape, np.ascontiguousarray(image).tobytes())
                for image in images]
     return frame_requests(tensors, device_ids=[f"device-{d:02d}" for d in range(devices)],
-                          model=model, run_id=run_id, indices=indices)
+                          model=model, run_id=run_id, indices=indices, deadline=deadline)
 
 
 def frame_requests(
@@ -129,6 +139,7 @@ def frame_requests(
     model: str,
     run_id: str | None = None,
     indices: Sequence[int] | None = None,
+    deadline: float | None = None,
 ) -> list[tuple[int, InferenceRequest]]:
     """Requests for frame inputs from the given devices, round-robin, with per-device ``seq``.
 
@@ -138,12 +149,18 @@ def frame_requests(
         model: Model name put in each request.
         run_id: Prefix of request ids (``<run_id>-<n>``; default: random).
         indices: Which inputs to send, in order (default: all, once).
+        deadline: Relative deadline of every request, milliseconds (as
+            :meth:`AsyncClient.send`); None: the model's queue policy, if any.
 
     Returns:
         ``(input index, request)`` pairs in send order; ``ts`` is filled in when sent.
+
+    Raises:
+        FrameError: ``deadline`` is out of range (:func:`streamapp.frames.checked_deadline`).
     """
     if not device_ids:
         raise ValueError("device_ids is empty; give at least one device")
+    deadline = checked_deadline(deadline)
     run_id = run_id or uuid.uuid4().hex[:8]
     seqs = dict.fromkeys(device_ids, 0)
     out = []
@@ -153,7 +170,7 @@ def frame_requests(
         out.append((index, InferenceRequest(
             request_id=f"{run_id}-{n}", device_id=device, seq=seqs[device], ts=0.0, model=model,
             tensor=value if isinstance(value, TensorPayload) else None,
-            image=value if isinstance(value, bytes) else None,
+            image=value if isinstance(value, bytes) else None, deadline=deadline,
         )))
         seqs[device] += 1
     return out
@@ -470,12 +487,22 @@ class AsyncClient:
     async def _start_producer(self) -> AIOKafkaProducer:
         if self._producer is None:
             s = self.settings
-            await _ensure_topic(s.bootstrap_servers, s.request_topic, s.topic_partitions,
-                                self._security, s.topic_replication_factor)
+            try:
+                await _ensure_topic(s.bootstrap_servers, s.request_topic, s.topic_partitions,
+                                    self._security, s.topic_replication_factor)
+            except BrokerError as exc:
+                # no broker: the CLI's line, not the admin client's "Cannot create topics"
+                if isinstance(exc.__cause__, KafkaConnectionError):
+                    raise BrokerError(unreachable_line(
+                        s.bootstrap_servers, exc.__cause__, _BROKER_SETTING)) from exc.__cause__
+                raise
             producer = _producer(s.bootstrap_servers, self._security,
                                  max(1_048_576, s.max_request_bytes + 4096))
             try:
                 await start_or_close(producer)
+            except KafkaConnectionError as exc:
+                raise BrokerError(
+                    unreachable_line(s.bootstrap_servers, exc, _BROKER_SETTING)) from exc
             except KafkaError as exc:
                 raise BrokerError(
                     f"cannot publish to {s.bootstrap_servers}: {describe_error(exc)}"
@@ -506,7 +533,7 @@ class AsyncClient:
 
     def request(
         self, device_id: str, frame: Frame, *, model: str | None = None, seq: int | None = None,
-        request_id: str | None = None, ts: float | None = None,
+        request_id: str | None = None, ts: float | None = None, deadline: float | None = None,
     ) -> InferenceRequest:
         """The request :meth:`send` would publish for this frame (nothing is sent).
 
@@ -514,19 +541,19 @@ class AsyncClient:
         arguments are those of :meth:`send`.
 
         Raises:
-            FrameError: The frame cannot become a request, or it would be larger than
-                ``max_request_bytes`` (which the worker refuses).
+            FrameError: The frame cannot become a request, the deadline is out of range, or
+                it would be larger than ``max_request_bytes`` (which the worker refuses).
         """
         if seq is None:
             seq = self._seqs.get(device_id, 0)
         request = make_request(device_id, frame, model=model or self.model, seq=seq,
-                               request_id=request_id, ts=ts)
+                               request_id=request_id, ts=ts, deadline=deadline)
         self._seqs[device_id] = seq + 1
         return request
 
     async def send(
         self, device_id: str, frame: Frame, *, model: str | None = None, seq: int | None = None,
-        request_id: str | None = None, ts: float | None = None,
+        request_id: str | None = None, ts: float | None = None, deadline: float | None = None,
     ) -> SentRequest:
         """Publish one frame of a device and wait for the broker's acknowledgement.
 
@@ -540,18 +567,25 @@ class AsyncClient:
             seq: The device's sequence number (default: the next one in this client, from 0).
             request_id: Default: a random 32-hex-digit id.
             ts: Capture time, epoch seconds (default: now).
+            deadline: Relative deadline, milliseconds (float, > 0, at most 86,400,000: one
+                day): how old the request may be when its batch would start, measured from
+                when it reached Kafka; older, it is not inferred and its answer is a result
+                with ``outcome: "expired"`` (docs/delivery.md, "Queue policy"). It replaces
+                the model's ``queue_policy.max_age_ms``. None (default): the model's policy,
+                if any.
 
         Returns:
             What was sent, with the partition and offset the broker stored it at.
 
         Raises:
-            FrameError: The frame cannot become a request; nothing was sent.
+            FrameError: The frame cannot become a request, or ``deadline`` is 0 or less, not
+                finite or over one day (the worker's ``bad_deadline``); nothing was sent.
             BrokerError: The broker did not answer when the client started.
             PublishError: The broker did not acknowledge the frame (it may or may not have
                 arrived).
         """
         request = self.request(device_id, frame, model=model, seq=seq, request_id=request_id,
-                               ts=ts)
+                               ts=ts, deadline=deadline)
         return await self._publish(request)
 
     async def _publish(self, request: InferenceRequest,
@@ -580,6 +614,7 @@ class AsyncClient:
     async def infer(
         self, device_id: str, frame: Frame, *, timeout: float = 30.0, model: str | None = None,
         seq: int | None = None, request_id: str | None = None, ts: float | None = None,
+        deadline: float | None = None,
     ) -> Reply:
         """Publish one frame and return its answer: the result, or the dead letter.
 
@@ -589,12 +624,14 @@ class AsyncClient:
         (at-least-once) is ignored.
 
         Args:
-            device_id / frame / model / seq / request_id / ts: As :meth:`send`.
+            device_id / frame / model / seq / request_id / ts / deadline: As :meth:`send`.
             timeout: Seconds to wait for the answer after publishing, > 0.
 
         Returns:
             The :class:`~streamapp.replies.Reply`: ``reply.result`` (``reply.label``,
-            ``reply.score``) or ``reply.dead_letter`` (``reply.reason``).
+            ``reply.score``; ``reply.result["outcome"]`` is ``"expired"``, with no label, when
+            the request was older than its ``deadline``) or ``reply.dead_letter``
+            (``reply.reason``).
 
         Raises:
             FrameError: As :meth:`send`; nothing was sent.
@@ -607,7 +644,7 @@ class AsyncClient:
         if not timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
         request = self.request(device_id, frame, model=model, seq=seq, request_id=request_id,
-                               ts=ts)
+                               ts=ts, deadline=deadline)
         replies = await self._start_replies()
         future = replies.expect(request.request_id)
         try:

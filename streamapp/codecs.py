@@ -30,6 +30,7 @@ __all__ = [
     "MIN_REQUEST_TS",
     "REASONS",
     "canonical_dtype",
+    "check_deadline",
     "check_key",
     "dead_letter_to_dict",
     "decode_dead_letter",
@@ -51,8 +52,8 @@ REASONS: dict[str, str] = {
     "invalid_msgpack": "the value is not valid msgpack",
     "wrong_type": "the value is not an object/map, or a field has the wrong type",
     "missing_field": "a required field is missing",
-    "bad_device_id": "device_id is longer than 256 characters or holds control, format or "
-    "separator characters",
+    "bad_device_id": "device_id is empty, longer than 256 characters or holds control, format "
+    "or separator characters",
     "ambiguous_input": "the request holds both a tensor and an image",
     "too_large": "the value is larger than max_request_bytes",
     "image_too_large": "the image header claims more pixels than max_image_pixels allows",
@@ -411,9 +412,10 @@ def _request_from_body(body: dict[str, Any], *, binary: bool, now: float) -> Inf
             "wrong_type",
             f"field 'seq' is {_short(fields['seq'])}, outside the 64-bit integer range",
         )
-    for name in ("request_id", "device_id", "model"):
+    for name in ("request_id", "model"):
         if not fields[name]:
             raise InvalidRequestError("wrong_type", f"field {name!r} is empty")
+    # an empty device_id breaks the device-id rule (1 to 256 characters) like a long one does
     problem = device_id_problem(fields["device_id"])
     if problem is not None:
         raise InvalidRequestError(
@@ -447,7 +449,7 @@ def _request_from_body(body: dict[str, Any], *, binary: bool, now: float) -> Inf
     _check_ts(ts, now)  # after the structure: a malformed request is reported as such first
     deadline = body.get("deadline")
     if deadline is not None:
-        deadline = _deadline(deadline)
+        deadline = check_deadline(deadline)
     return InferenceRequest(
         request_id=fields["request_id"],
         device_id=fields["device_id"],
@@ -461,8 +463,18 @@ def _request_from_body(body: dict[str, Any], *, binary: bool, now: float) -> Inf
     )
 
 
-def _deadline(value: Any) -> float:
-    """A request's ``deadline`` (milliseconds) as a float, checked.
+def check_deadline(value: Any, what: str = "field 'deadline'", unset: str = "null") -> float:
+    """A request's ``deadline`` (milliseconds) as a float, checked: the one rule, which the
+    worker applies on decode and the client (:func:`streamapp.frames.make_request`,
+    ``streamapp publish --deadline``) before sending.
+
+    Args:
+        value: The deadline, milliseconds (an int or float; a bool is not a number here).
+        what: How the message names the value (``"field 'deadline'"``, ``"--deadline"``).
+        unset: How the message says "no deadline" (``"null"``, ``"None"``).
+
+    Returns:
+        ``float(value)``: finite, above 0 and at most :data:`MAX_DEADLINE_MS`.
 
     Raises:
         InvalidRequestError: ``wrong_type`` (not a number) or ``bad_deadline`` (not finite, not
@@ -470,8 +482,8 @@ def _deadline(value: Any) -> float:
     """
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise InvalidRequestError(
-            "wrong_type", f"field 'deadline' is {type(value).__name__}, expected a number of "
-            "milliseconds (or null for none)"
+            "wrong_type", f"{what} is {type(value).__name__}, expected a number of "
+            f"milliseconds (or {unset} for none)"
         )
     try:
         ms = float(value)
@@ -480,9 +492,9 @@ def _deadline(value: Any) -> float:
     if not (math.isfinite(ms) and 0.0 < ms <= MAX_DEADLINE_MS):
         raise InvalidRequestError(
             "bad_deadline",
-            f"field 'deadline' is {_short(value)}; it is how old the request may be when its "
+            f"{what} is {_short(value)}; it is how old the request may be when its "
             f"batch would start, in milliseconds: a number above 0 and at most "
-            f"{MAX_DEADLINE_MS:.0f} (one day), or null for the model's policy",
+            f"{MAX_DEADLINE_MS:.0f} (one day), or {unset} for the model's policy",
         )
     return ms
 

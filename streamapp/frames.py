@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, BinaryIO, Union
 
 import numpy as np
 
-from streamapp.codecs import ALLOWED_DTYPES, canonical_dtype
+from streamapp.codecs import ALLOWED_DTYPES, canonical_dtype, check_deadline
 from streamapp.exceptions import FrameError, InvalidRequestError
 from streamapp.records import InferenceRequest, TensorPayload
 
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 __all__ = [
     "FRAME_SUFFIXES",
     "Frame",
+    "checked_deadline",
     "frame_files",
     "frame_input",
     "image_format",
@@ -179,6 +180,7 @@ def make_request(
     seq: int,
     request_id: str | None = None,
     ts: float | None = None,
+    deadline: float | None = None,
 ) -> InferenceRequest:
     """The request for one frame of a device.
 
@@ -189,10 +191,13 @@ def make_request(
         seq: The device's sequence number for this frame.
         request_id: Default: a random 32-hex-digit id.
         ts: Capture time, epoch seconds; default: now.
+        deadline: Relative deadline, milliseconds (:func:`checked_deadline`); None: the
+            model's queue policy, if any.
 
     Raises:
-        FrameError: See :func:`frame_input`.
+        FrameError: See :func:`frame_input`, or ``deadline`` is out of range.
     """
+    deadline = checked_deadline(deadline)
     value = frame if isinstance(frame, TensorPayload) else frame_input(frame)
     return InferenceRequest(
         request_id=request_id or uuid.uuid4().hex,
@@ -202,7 +207,34 @@ def make_request(
         model=model,
         tensor=value if isinstance(value, TensorPayload) else None,
         image=value if isinstance(value, bytes) else None,
+        deadline=deadline,
     )
+
+
+def checked_deadline(deadline: float | None, what: str = "deadline",
+                     unset: str = "None") -> float | None:
+    """A request deadline as the worker would take it, refused here when the worker would
+    dead-letter the request for it (:func:`streamapp.codecs.check_deadline`, the one rule).
+
+    Args:
+        deadline: Milliseconds: how old the request may be when its batch would start,
+            measured from when it reached Kafka (docs/delivery.md, "Queue policy"); None: none.
+        what: How the message names it (``"deadline"``, ``"--deadline"``).
+        unset: How the message says "no deadline" (``"None"``, ``"leave it out"``).
+
+    Returns:
+        ``float(deadline)`` (finite, > 0, at most one day), or None.
+
+    Raises:
+        FrameError: Not a number, not finite, 0 or less, or more than 86,400,000 ms (one day);
+            the worker would answer a ``wrong_type`` or ``bad_deadline`` dead letter.
+    """
+    if deadline is None:
+        return None
+    try:
+        return check_deadline(deadline, what=what, unset=unset)
+    except InvalidRequestError as exc:
+        raise FrameError(exc.message) from None
 
 
 def frame_files(directory: Path) -> list[Path]:

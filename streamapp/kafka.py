@@ -26,6 +26,7 @@ from aiokafka.errors import (
     AuthenticationFailedError,
     ClusterAuthorizationFailedError,
     GroupAuthorizationFailedError,
+    KafkaConnectionError,
     KafkaError,
     SaslAuthenticationFailed,
     TopicAuthorizationFailedError,
@@ -59,6 +60,7 @@ __all__ = [
     "security_problem",
     "ssl_context",
     "start_or_close",
+    "unreachable_line",
     "with_admin",
 ]
 
@@ -81,6 +83,27 @@ def describe_error(exc: BaseException) -> str:
     while (shorter := repeat.sub("", text, count=1).strip()) != text:
         text = shorter
     return f"{name}: {text}" if text else name
+
+
+def unreachable_line(bootstrap: str, exc: BaseException,
+                     setting: str = "--broker / STREAMAPP_BROKER") -> str:
+    """One line for a Kafka client error: what failed, then what to check (the CLI's and the
+    client's wording for a broker that did not answer).
+
+    Args:
+        bootstrap: The ``host:port`` list that was tried.
+        exc: The client error (a :class:`KafkaConnectionError` reads "no broker answered").
+        setting: Where the broker address comes from, for the hint.
+    """
+    if isinstance(exc, KafkaConnectionError):
+        what = "no broker answered (connection refused or timed out)"
+    else:
+        what = describe_error(exc)
+    return (
+        f"cannot talk to the broker at {bootstrap}: {what}. Is it running (streamapp broker), "
+        f"and are {setting} and the security settings right?"
+    )
+
 
 _T = TypeVar("_T")
 

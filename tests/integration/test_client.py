@@ -129,6 +129,34 @@ async def test_the_blocking_client_from_threads_with_msgpack_and_a_npy_file(
     assert labels == [str(offline[i]) for i in range(50, 58)] + [str(offline[40])]
 
 
+async def test_a_deadline_expires_or_answers_and_an_empty_device_id_is_a_bad_device_id(
+    worker: WorkerProcess, worker_settings: Settings, digits: tuple[np.ndarray, np.ndarray],
+) -> None:
+    images, offline = digits
+    settings = client_settings(worker_settings)
+    async with AsyncClient(settings=settings) as client:
+        # 1 µs: older than that before any worker can read it
+        expired = await client.infer("cam-dl", images[60], deadline=0.001, timeout=60)
+        empty_id = await client.infer("", images[61], timeout=60)
+
+    def blocking() -> Any:
+        with Client(settings=settings) as client:
+            return client.infer("cam-dl", images[62], deadline=60_000, timeout=60)
+
+    answered = await asyncio.to_thread(blocking)
+
+    assert expired.ok and expired.result is not None
+    assert expired.result["outcome"] == "expired" and expired.label is None
+    assert expired.result["outputs"] == {} and expired.result["batch_size"] == 0
+    assert expired.result["max_age_ms"] == 0.001 and expired.result["max_age_from"] == "request"
+    assert answered.ok and answered.result is not None
+    assert answered.result["outcome"] == "answered" and answered.label == str(offline[62])
+    assert answered.result["max_age_ms"] == 60_000 and answered.result["max_age_from"] == "request"
+    assert empty_id.reason == "bad_device_id"
+    assert empty_id.dead_letter is not None
+    assert empty_id.dead_letter.error["message"] == "field 'device_id' '' is empty"
+
+
 async def test_no_worker_is_a_timeout_that_says_where_the_request_went(
     kafka_broker: Broker, app_id: str,
 ) -> None:

@@ -1,5 +1,6 @@
 """``streamapp.client.publish`` when the broker stops answering part way (issue: a broker
-frozen with SIGSTOP): the error says how many frames were sent and acknowledged."""
+frozen with SIGSTOP): the error says how many frames were sent and acknowledged; a client whose
+broker does not answer at all says so in the CLI's words."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 from aiokafka.errors import RequestTimedOutError
 
 from streamapp import client
-from streamapp.exceptions import PublishError
+from streamapp.exceptions import BrokerError, PublishError
 
 
 class _StallingProducer:
@@ -58,3 +59,17 @@ async def test_a_failed_publish_says_how_many_were_sent_and_acknowledged(
         "were sent: 3,120 of 4,000 acknowledged; the rest may or may not have arrived "
         "(RequestTimedOutError: no answer). Read the topic (or the results) before publishing "
         "them again")
+
+
+async def test_a_client_without_a_broker_says_so_in_one_clean_line() -> None:
+    nowhere = client.AsyncClient("kafka://127.0.0.1:1")
+    try:
+        with pytest.raises(BrokerError) as raised:
+            await nowhere.send("cam-1", np.zeros((8, 8), np.uint8))
+    finally:
+        await nowhere.close()
+    # not the admin client's "Cannot create topics [...] KafkaConnectionError: Unable to ..."
+    assert str(raised.value) == (
+        "cannot talk to the broker at 127.0.0.1:1: no broker answered (connection refused or "
+        "timed out). Is it running (streamapp broker), and are the broker argument / "
+        "STREAMAPP_BROKER and the security settings right?")

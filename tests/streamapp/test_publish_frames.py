@@ -1,6 +1,6 @@
 """``streamapp publish --file/--dir`` and ``streamapp.frames`` refuse what cannot become a
-request with one error line (exit 1) before anything is sent, and turn the rest into the
-request values the worker reads."""
+request with one error line (exit 1; a bad ``--deadline``: exit 2) before anything is sent, and
+turn the rest into the request values the worker reads."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from streamapp.cli import cli
+from streamapp.client import frame_requests
 from streamapp.codecs import decode_request, encode_request, tensor_to_array
 from streamapp.exceptions import FrameError
 from streamapp.frames import frame_input, make_request
@@ -106,6 +107,28 @@ def test_a_frame_larger_than_max_request_bytes(runner: CliRunner, tmp_path: Path
                          "base64)")
 
 
+@pytest.mark.parametrize(("value", "shown"), [
+    ("0", "0.0"), ("-5", "-5.0"), ("nan", "nan"), ("inf", "inf"), ("86400001", "86400001.0"),
+    ("1e400", "inf"),
+])
+def test_a_deadline_the_worker_would_dead_letter_is_one_usage_line(
+    runner: CliRunner, value: str, shown: str,
+) -> None:
+    result = runner.invoke(cli, ["publish", "--broker", NOWHERE, f"--deadline={value}"],
+                           prog_name="streamapp")
+    assert result.exit_code == 2
+    assert result.output.splitlines() == [
+        f"error: --deadline is {shown}; it is how old the request may be when its batch would "
+        "start, in milliseconds: a number above 0 and at most 86400000 (one day), or leave it "
+        "out for the model's policy"]
+
+
+def test_a_good_deadline_gets_as_far_as_the_broker(runner: CliRunner, tmp_path: Path) -> None:
+    (tmp_path / "a.jpg").write_bytes(jpeg())
+    (line,) = publish(runner, "--file", str(tmp_path / "a.jpg"), "--deadline", "86400000")
+    assert line.startswith("error: cannot talk to the broker at 127.0.0.1:1")
+
+
 def test_a_good_file_gets_as_far_as_the_broker(runner: CliRunner, tmp_path: Path) -> None:
     (tmp_path / "a.jpg").write_bytes(jpeg())
     (line,) = publish(runner, "--file", str(tmp_path / "a.jpg"))
@@ -126,6 +149,40 @@ def test_an_array_becomes_the_tensor_the_worker_decodes(dtype: str) -> None:
     assert got.dtype == np.dtype(dtype).newbyteorder("=") and got.shape == (2, 3, 4)
     np.testing.assert_array_equal(got, array)
     assert (decoded.device_id, decoded.seq, decoded.ts) == ("cam1", 3, 1.8e9)
+
+
+@pytest.mark.parametrize("deadline", [5000, 0.001, 86_400_000.0])
+def test_a_deadline_is_carried_as_float_milliseconds(deadline: float) -> None:
+    request = make_request("cam1", np.zeros((8, 8), np.uint8), model="digits", seq=0, ts=1.8e9,
+                           deadline=deadline)
+    decoded = decode_request(encode_request(request, "msgpack"), now=1.8e9)
+
+    assert decoded.deadline == float(deadline) and isinstance(decoded.deadline, float)
+    no_deadline = make_request("cam1", np.zeros((8, 8), np.uint8), model="digits", seq=0)
+    assert b"deadline" not in encode_request(no_deadline)
+
+
+@pytest.mark.parametrize(("deadline", "message"), [
+    (0, "deadline is 0; it is how old the request may be when its batch would start, in "
+     "milliseconds: a number above 0 and at most 86400000 (one day), or None for the model's "
+     "policy"),
+    (-1.5, "deadline is -1.5; it is how old"),
+    (float("nan"), "deadline is nan; it is how old"),
+    (float("inf"), "deadline is inf; it is how old"),
+    (86_400_000.5, "deadline is 86400000.5; it is how old"),
+    ("5000", "deadline is str, expected a number of milliseconds (or None for none)"),
+    (True, "deadline is bool, expected a number of milliseconds (or None for none)"),
+])
+def test_a_deadline_the_worker_would_dead_letter_is_refused_before_sending(
+    deadline: object, message: str,
+) -> None:
+    with pytest.raises(FrameError) as raised:
+        make_request("cam1", np.zeros((8, 8), np.uint8), model="digits", seq=0,
+                     deadline=deadline)  # type: ignore[arg-type]
+    assert str(raised.value).startswith(message)
+    with pytest.raises(FrameError):
+        frame_requests([jpeg()], device_ids=["cam1"], model="digits",
+                       deadline=deadline)  # type: ignore[arg-type]
 
 
 def test_images_as_bytes_path_and_pil() -> None:
