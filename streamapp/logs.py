@@ -50,8 +50,9 @@ def startup_block(settings: Settings, models: Mapping[str, Any]) -> str:
 
     Args:
         settings: The worker's settings.
-        models: Model name → :class:`streamapp.agents.pipeline.LoadedModel` (its ``version``
-            and ``info``: engine tag, device, precision, max batch size).
+        models: Model name → :class:`streamapp.agents.pipeline.LoadedModel` (its ``version``,
+            ``info``: engine tag, device, precision, max batch size; and the queue policy of
+            its ``config``, shown under it when set).
     """
     s = settings
     web = f"http://{advertised_host(s)}:{s.web_port}"
@@ -66,6 +67,7 @@ def startup_block(settings: Settings, models: Mapping[str, Any]) -> str:
         f"  broker   {s.broker} ({s.broker_kind}{login})",
         f"  reads    {s.request_topic}, {s.retry_topic}",
         f"  writes   {s.result_topic}, {s.dlq_topic}",
+        f"  delivery {s.processing_guarantee} (processing_guarantee; docs/delivery.md)",
     ]
     for n, (name, model) in enumerate(models.items()):
         info = model.info
@@ -75,6 +77,9 @@ def startup_block(settings: Settings, models: Mapping[str, Any]) -> str:
             f"  {'models' if n == 0 else '':8} {named} {info.tag} ({info.device}, "
             f"{info.precision}, max batch {info.max_batch_size})"
         )
+        policy = getattr(getattr(model, "config", None), "queue_policy_text", None)
+        if policy is not None:
+            lines.append(f"  {'':8} queue policy: {policy}")
     chosen = sorted({m.info.backend for m in models.values()})
     backend = s.backend if chosen == [s.backend] else f"{s.backend} ({', '.join(chosen)})"
     lines += [f"  backend  {backend}", f"  data dir {s.data_dir.absolute()}"]

@@ -178,7 +178,8 @@ def format_result_line(entry: ResultEntry) -> str:
     latency of 100 s or more is written in seconds with its unit (``98765s``).
     Results without ``outputs.top_k`` (named tensors) show ``-`` for label and score; a
     request a queue policy kept from the engine shows its ``outcome`` (``expired``,
-    ``superseded``) as the label.
+    ``superseded``) in full as the label: a label longer than its column runs on into the
+    score column where there is no score.
     """
     if entry.result is None:
         key = "no key" if entry.key is None else f"key {entry.device!r}"
@@ -201,6 +202,14 @@ def format_result_line(entry: ResultEntry) -> str:
     seq = cells.pop("seq")
     cut = {c: cell(v, _WIDTHS[c]) for c, v in cells.items()}
     cut["seq"] = seq if len(seq) <= _WIDTHS["seq"] else "…" + seq[1 - _WIDTHS["seq"]:]
+    if cells["score"] == "-" and len(cells["label"]) > _WIDTHS["label"]:
+        # no score to show (``superseded``, a long label of a result without scores): the
+        # label runs on into the score column up to its right-aligned "-"
+        wide = _WIDTHS["label"] + _WIDTHS["score"] - 1
+        widths = {**_WIDTHS, "label": wide + 2}
+        cut["label"] = pad(cells["label"], wide) + " -"
+        return " ".join(pad(cut[c], w, right=c in _RIGHT) for c, w in widths.items()
+                        if c != "score").rstrip()
     return _join(cut)
 
 

@@ -11,11 +11,9 @@ uses it is docs/models.md.
 from __future__ import annotations
 
 import io
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 from PIL import Image
@@ -23,25 +21,12 @@ from PIL import Image
 from engines.base import DYNAMIC, Engine, TensorSpec, format_shape
 from engines.exceptions import EngineError
 from engines.registry import load_engine, load_first
-from streamapp.codecs import ALLOWED_DTYPES
 from streamapp.exceptions import StreamAppError
+from streamapp.models.metadata import read_metadata
 from streamapp.models.repository import ModelConfig
 from streamapp.records import InferenceRequest
 
 __all__ = ["ModelCheck", "check_model", "engine_problems", "format_check"]
-
-#: Fields every ``metadata.json`` needs: dotted path → what it must be.
-_REQUIRED: dict[str, str] = {
-    "name": "the model's name, a string (the requests' `model` field)",
-    "labels": "a list of class labels, index = output column",
-    "input.name": "the engine input's name, a string",
-    "input.dtype": "the engine input's dtype, e.g. \"float32\"",
-    "input.shape": "the engine input's shape with -1 for the batch, e.g. [-1, 64]",
-    "output.name": "the name of the engine output with one score per label",
-    "request.shape": "the shape of a request tensor, e.g. [8, 8]",
-    "request.dtypes": "the dtypes a request tensor may have, e.g. [\"float32\"]",
-}
-
 
 @dataclass
 class ModelCheck:
@@ -68,48 +53,6 @@ class ModelCheck:
     @property
     def ok(self) -> bool:
         return not self.problems
-
-
-def _get(meta: dict[str, Any], dotted: str) -> Any:
-    value: Any = meta
-    for key in dotted.split("."):
-        if not isinstance(value, dict) or key not in value:
-            return None
-        value = value[key]
-    return value
-
-
-def _field_problems(meta: dict[str, Any]) -> list[str]:
-    """One line per required field that is missing or of the wrong kind."""
-    problems = []
-    for dotted, what in _REQUIRED.items():
-        if _get(meta, dotted) is None:
-            problems.append(f"metadata.json has no {dotted!r}: {what}")
-    labels = meta.get("labels")
-    if labels is not None and (not isinstance(labels, list) or not labels
-                               or not all(isinstance(x, str) for x in labels)):
-        problems.append("metadata.json 'labels' must be a non-empty list of strings")
-    for dotted in ("input.shape", "request.shape"):
-        shape = _get(meta, dotted)
-        if shape is not None and (not isinstance(shape, list) or not all(
-                isinstance(d, int) and not isinstance(d, bool) for d in shape)):
-            problems.append(f"metadata.json {dotted!r} must be a list of integers, got {shape!r}")
-    dtypes = _get(meta, "request.dtypes")
-    if dtypes is not None:
-        unknown = [d for d in dtypes if d not in ALLOWED_DTYPES] if isinstance(
-            dtypes, list) else [dtypes]
-        if unknown or not dtypes:
-            problems.append(
-                f"metadata.json 'request.dtypes' must list dtypes of "
-                f"{', '.join(sorted(ALLOWED_DTYPES))}; got {dtypes!r}"
-            )
-    dtype = _get(meta, "input.dtype")
-    if dtype is not None:
-        try:
-            np.dtype(dtype)
-        except TypeError:
-            problems.append(f"metadata.json 'input.dtype' {dtype!r} is not a dtype name")
-    return problems
 
 
 def _spec(spec: TensorSpec) -> str:
@@ -224,21 +167,14 @@ def check_model(directory: Path, *, backend: str = "auto", max_batch_size: int =
                 if inside else ""
             result.problems.append(f"no metadata.json in the folder{hint} (docs/models.md)")
         return result
-    try:
-        meta = json.loads(meta_path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        result.problems.append(f"metadata.json is not valid JSON: {exc}")
-        return result
-    if not isinstance(meta, dict):
-        result.problems.append("metadata.json must hold one JSON object")
-        return result
-    result.problems += _field_problems(meta)
+    # the worker's own validation (ModelConfig.from_dir), so both word a problem the same
+    _, result.problems = read_metadata(meta_path)
     if result.problems:
         return result
     try:
         config = ModelConfig.from_dir(directory)
     except StreamAppError as exc:
-        result.problems.append(str(exc).replace(f"{meta_path} is invalid: ", "metadata.json: "))
+        result.problems.append(str(exc))
         return result
     result.config = config
     # a version folder (NAME/<V>/, docs/versions.md) is named by its model's folder
@@ -306,6 +242,8 @@ def format_check(check: ModelCheck, *, top_k: int = 3) -> list[str]:
         lines.append(f"image     {' or '.join(image.formats)} -> {image.mode} {width}x{height} "
                      f"({image.resample}), pixel * {image.scale:g} + {image.offset:g}, "
                      f"up to {image.max_pixels} pixels")
+    if config.queue_policy_text is not None:
+        lines.append(f"queue     policy: {config.queue_policy_text} (docs/delivery.md)")
     labels = " ".join(config.labels) if len(config.labels) <= 12 else (
         " ".join(config.labels[:10]) + " ...")
     lines.append(f"labels    {len(config.labels)}: {labels}")

@@ -15,7 +15,6 @@ result (labels, top-k). The bundled repository holds the ``digits`` model traine
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from engines.preprocess import EncodedImage, ImageSpec
 from streamapp.codecs import tensor_to_array
 from streamapp.exceptions import ConfigError, InvalidRequestError, ModelNotFoundError
 from streamapp.models.images import DEFAULT_IMAGE_FORMATS, DEFAULT_MAX_IMAGE_PIXELS, ImageConfig
+from streamapp.models.metadata import queue_policy, read_metadata, strict_bool, value_range
 from streamapp.records import InferenceRequest
 
 __all__ = [
@@ -105,46 +105,49 @@ class ModelConfig:
         """Whether the metadata sets a queue policy (a max age or latest-frame)."""
         return self.max_age_ms is not None or self.latest_frame
 
+    @property
+    def queue_policy_text(self) -> str | None:
+        """The queue policy in words, e.g. ``max age 200 ms, latest frame``; None when unset."""
+        parts = ([f"max age {self.max_age_ms:g} ms"] if self.max_age_ms is not None else []) + (
+            ["latest frame"] if self.latest_frame else [])
+        return ", ".join(parts) or None
+
     @classmethod
     def from_dir(cls, directory: Path) -> ModelConfig:
         """Read ``directory/metadata.json``.
 
         Raises:
-            ConfigError: The file is missing or lacks a field.
+            ConfigError: The file is missing, or not valid: the message lists each problem
+                as ``streamapp models check`` words it
+                (:func:`~streamapp.models.metadata.metadata_problems`).
         """
         meta_path = directory / "metadata.json"
-        try:
-            meta = json.loads(meta_path.read_text())
-            image = ImageConfig.from_metadata(meta["image"]) if "image" in meta else None
-            config = cls(
-                name=meta["name"],
-                version=str(meta.get("version", "1")),
-                path=directory / meta.get("file", "model.onnx"),
-                labels=tuple(meta["labels"]),
-                input_name=meta["input"]["name"],
-                input_dtype=np.dtype(meta["input"]["dtype"]),
-                input_shape=tuple(meta["input"]["shape"]),
-                output_name=meta["output"]["name"],
-                request_shape=tuple(meta["request"]["shape"]),
-                request_dtypes=frozenset(meta["request"]["dtypes"]),
-                scale=float(meta.get("preprocessing", {}).get("scale", 1.0)),
-                offset=float(meta.get("preprocessing", {}).get("offset", 0.0)),
-                metadata=meta,
-                allow_non_finite=_strict_bool(meta["request"].get("allow_non_finite", False)),
-                image=image,
-                value_range=_value_range(meta["request"].get("value_range")),
-                **_queue_policy(meta.get("queue_policy")),
-            )
-        except FileNotFoundError as exc:
-            raise ConfigError(f"model folder {directory} has no metadata.json") from exc
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ConfigError(f"{meta_path} is invalid: missing or bad field {exc}") from exc
-        if image is not None and image.array_shape != config.request_shape:
-            raise ConfigError(
-                f"{meta_path} is invalid: image mode {image.mode!r} and size {list(image.size)} "
-                f"give arrays of shape {list(image.array_shape)}, but request.shape is "
-                f"{list(config.request_shape)}"
-            )
+        if not meta_path.is_file():
+            raise ConfigError(f"model folder {directory} has no metadata.json")
+        meta, problems = read_metadata(meta_path)
+        if meta is None or problems:
+            raise _invalid(directory, problems)
+        request = meta["request"]
+        pre = meta.get("preprocessing", {})
+        config = cls(
+            name=meta["name"],
+            version=str(meta.get("version", "1")),
+            path=directory / meta.get("file", "model.onnx"),
+            labels=tuple(meta["labels"]),
+            input_name=meta["input"]["name"],
+            input_dtype=np.dtype(meta["input"]["dtype"]),
+            input_shape=tuple(meta["input"]["shape"]),
+            output_name=meta["output"]["name"],
+            request_shape=tuple(request["shape"]),
+            request_dtypes=frozenset(request["dtypes"]),
+            scale=float(pre.get("scale", 1.0)),
+            offset=float(pre.get("offset", 0.0)),
+            metadata=meta,
+            allow_non_finite=strict_bool(request.get("allow_non_finite", False)),
+            image=ImageConfig.from_metadata(meta["image"]) if "image" in meta else None,
+            value_range=value_range(request.get("value_range")),
+            **queue_policy(meta.get("queue_policy")),
+        )
         return config
 
     def engine_options(self, backend: str) -> dict[str, Any]:
@@ -347,56 +350,6 @@ class ModelConfig:
         ]
 
 
-def _value_range(value: Any) -> tuple[float, float] | None:
-    """Metadata ``request.value_range``: ``[low, high]``, finite numbers, low ≤ high; or
-    absent (None)."""
-    if value is None:
-        return None
-    if (not isinstance(value, list) or len(value) != 2
-            or not all(isinstance(v, int | float) and not isinstance(v, bool) for v in value)):
-        raise ValueError(f"request.value_range must be [low, high], got {value!r}")
-    low, high = float(value[0]), float(value[1])
-    if not (np.isfinite(low) and np.isfinite(high) and low <= high):
-        raise ValueError(f"request.value_range must be finite with low <= high, got {value!r}")
-    return low, high
-
-
-#: Keys of the metadata's ``queue_policy`` object.
-_QUEUE_POLICY_KEYS = ("max_age_ms", "latest_frame")
-
-
-def _queue_policy(value: Any) -> dict[str, Any]:
-    """Metadata ``queue_policy``: ``{"max_age_ms": number > 0 or null, "latest_frame": bool}``,
-    both optional; or absent. Returns the :class:`ModelConfig` fields it sets."""
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise TypeError(f"queue_policy must be an object, got {value!r}")
-    unknown = sorted(set(value) - set(_QUEUE_POLICY_KEYS))
-    if unknown:
-        raise ValueError(f"queue_policy has unknown key(s) {unknown}; keys: "
-                         f"{', '.join(_QUEUE_POLICY_KEYS)}")
-    out: dict[str, Any] = {}
-    age = value.get("max_age_ms")
-    if age is not None:
-        if (isinstance(age, bool) or not isinstance(age, int | float)
-                or not (np.isfinite(age) and age > 0)):
-            raise ValueError(f"queue_policy.max_age_ms must be a number of milliseconds > 0 or "
-                             f"null, got {age!r}")
-        out["max_age_ms"] = float(age)
-    latest = value.get("latest_frame", False)
-    if not isinstance(latest, bool):
-        raise TypeError(f"queue_policy.latest_frame must be true or false, got {latest!r}")
-    out["latest_frame"] = latest
-    return out
-
-
-def _strict_bool(value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"allow_non_finite must be true or false, got {value!r}")
-    return value
-
-
 class ModelRepository:
     """The models in one folder, by name.
 
@@ -508,9 +461,17 @@ def version_key(version: str) -> tuple[int, int | str]:
     return (0, int(version)) if version.isdigit() else (1, version)
 
 
+def _invalid(directory: Path, problems: list[str]) -> ConfigError:
+    """The one-line error of a version folder whose ``metadata.json`` has ``problems`` (as
+    ``streamapp models check`` words them)."""
+    return ConfigError(
+        f"{directory / 'metadata.json'} is invalid: {'; '.join(problems)} (streamapp models "
+        f"check {directory} lists each problem; docs/models.md)"
+    )
+
+
 def _flat_version(directory: Path) -> str:
-    try:
-        meta = json.loads((directory / "metadata.json").read_text())
-        return str(meta.get("version", "1")) if isinstance(meta, dict) else "1"
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"{directory / 'metadata.json'} is invalid: {exc}") from exc
+    meta, problems = read_metadata(directory / "metadata.json")
+    if meta is None:
+        raise _invalid(directory, problems)
+    return str(meta.get("version", "1"))

@@ -25,10 +25,12 @@ def test_the_log_starts_with_where_the_worker_is_and_skips_changelog_chatter(
     assert block[2] == f"  broker   {s.broker} ({s.broker_kind})"
     assert block[3] == f"  reads    {s.request_topic}, {s.retry_topic}"
     assert block[4] == f"  writes   {s.result_topic}, {s.dlq_topic}"
+    assert block[5] == (f"  delivery {s.processing_guarantee} (processing_guarantee; "
+                        "docs/delivery.md)")
     assert re.fullmatch(r"  models   digits v1 onnxruntime-[\d.]+:[0-9a-f]{8} \(cpu, fp32, "
-                        r"max batch \d+\)", block[5]), block[5]
-    assert block[6] == "  backend  onnxruntime"
-    assert block[7].startswith("  data dir ") and block[7].rstrip().endswith("data")
+                        r"max batch \d+\)", block[6]), block[6]
+    assert block[7] == "  backend  onnxruntime"
+    assert block[8].startswith("  data dir ") and block[8].rstrip().endswith("data")
     for chatter in ("Highwater", "Reading Starts At", "Table: device_stats", "Store: rocksdb",
                     "opening partition", "-changelog' created"):
         assert chatter not in text, chatter

@@ -3,6 +3,7 @@ worker is checked in tests/integration/test_worker_log.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from types import SimpleNamespace
@@ -11,6 +12,7 @@ import pytest
 
 from engines.base import EngineInfo
 from streamapp.logs import QuietChangelogs, startup_block
+from streamapp.models import ModelRepository
 from streamapp.settings import load_settings
 
 
@@ -66,7 +68,26 @@ def test_startup_block_says_where_the_worker_is(tmp_path: Path) -> None:
         f"  broker   kafka://10.0.0.5:9092 ({settings.broker_kind})",
         "  reads    prod.inference-request, prod.inference-retry",
         "  writes   prod.inference-result, prod.inference-dlq",
+        "  delivery at_least_once (processing_guarantee; docs/delivery.md)",
         "  models   digits v2 onnxruntime-1.32.0:1ec95d21 (cpu, fp32, max batch 64)",
         "  backend  auto (onnxruntime)",
         f"  data dir {tmp_path}",
     ]
+
+
+def test_startup_block_shows_each_models_queue_policy_and_the_guarantee(tmp_path: Path) -> None:
+    settings = load_settings(data_dir=tmp_path, processing_guarantee="exactly_once")
+    info = EngineInfo(backend="onnxruntime", model_path="m.onnx", model_sha256="1ec95d21" * 8,
+                      version="1.32.0", device="cpu", precision="fp32", max_batch_size=64)
+    digits = ModelRepository().get("digits")
+    policed = dataclasses.replace(digits, name="cams", max_age_ms=200.0, latest_frame=True)
+    models = {"cams": SimpleNamespace(info=info, version="1", config=policed),
+              "digits": SimpleNamespace(info=info, version="1", config=digits)}
+    lines = startup_block(settings, models).splitlines()
+
+    assert "  delivery exactly_once (processing_guarantee; docs/delivery.md)" in lines
+    at = lines.index("  models   cams v1 onnxruntime-1.32.0:1ec95d21 (cpu, fp32, max batch 64)")
+    assert lines[at + 1:at + 3] == [
+        "           queue policy: max age 200 ms, latest frame",
+        "           digits v1 onnxruntime-1.32.0:1ec95d21 (cpu, fp32, max batch 64)",
+    ]  # the bundled digits has no queue policy: no line

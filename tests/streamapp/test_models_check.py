@@ -19,6 +19,7 @@ from streamapp.exceptions import ConfigError
 from streamapp.models import BUNDLED_MODELS_DIR
 from streamapp.models.check import check_model
 from streamapp.models.loading import load_models
+from streamapp.models.repository import ModelRepository
 from streamapp.settings import Settings
 
 DIGITS = BUNDLED_MODELS_DIR / "digits"
@@ -87,10 +88,10 @@ def test_every_missing_field_is_its_own_line(tmp_path: Path) -> None:
     meta = {"labels": [], "input": {"shape": "x"}, "request": {"dtypes": ["complex64"]}}
     found = problems(folder(tmp_path, meta))
     for field in ("name", "input.name", "input.dtype", "output.name", "request.shape"):
-        assert f"metadata.json has no {field!r}: " in "\n".join(found), field
-    assert "metadata.json 'labels' must be a non-empty list of strings" in found
-    assert "metadata.json 'input.shape' must be a list of integers, got 'x'" in found
-    assert any(p.startswith("metadata.json 'request.dtypes' must list dtypes of ") and
+        assert f"field {field}: missing (give " in "\n".join(found), field
+    assert "field labels: must be a non-empty list of strings, got []" in found
+    assert "field input.shape: must be a list of integers, got 'x'" in found
+    assert any(p.startswith("field request.dtypes: must list dtypes of ") and
                "complex64" in p for p in found)
     assert len(found) == 8
 
@@ -139,7 +140,7 @@ def test_a_fixed_batch_dimension_is_refused_with_how_to_export(tmp_path: Path) -
     ({"file": "model.plan"}, "no model file 'model.plan' in the folder (metadata 'file', "
                              "default model.onnx)"),
     ({"image": {**META["image"], "size": [4, 4]}},
-     "metadata.json: image mode 'L' and size [4, 4] give arrays of shape [4, 4], but "
+     "field image: mode 'L' and size [4, 4] give arrays of shape [4, 4], but "
      "request.shape is [8, 8]"),
 ])
 def test_other_problems_say_what_to_change(tmp_path: Path, change: dict[str, Any],
@@ -186,3 +187,49 @@ def test_a_worker_refuses_a_model_that_does_not_fit_its_metadata(tmp_path: Path)
         "metadata.json: input.name 'pixels' is not an input of the model; its inputs: input "
         f"float32[batch, 1, 8, 8] (streamapp models check {tmp_path / 'digits'} lists every "
         "problem; docs/models.md)")
+
+
+@pytest.mark.parametrize("text", [
+    "[]",  # not an object
+    '{"name": "digits", "labels": ["a"',  # truncated
+    json.dumps({"name": "digits", "labels": ["a"], "request": {"shape": [8]}}),  # fields missing
+    json.dumps({**META, "queue_policy": {"max_age_ms": 0, "latest_frame": 1}}),
+    json.dumps({**META, "image": {"mode": "L"}}),
+], ids=["list", "truncated", "missing", "queue-policy", "image-size"])
+def test_the_worker_words_a_bad_metadata_json_as_the_check_does(
+    tmp_path: Path, text: str,
+) -> None:
+    path = folder(tmp_path, META)
+    (path / "metadata.json").write_text(text)
+    found = problems(path)
+    with pytest.raises(ConfigError) as info:
+        ModelRepository(tmp_path).get("digits")
+    assert str(info.value) == (
+        f"{path / 'metadata.json'} is invalid: {'; '.join(found)} (streamapp models check "
+        f"{path} lists each problem; docs/models.md)")
+    assert all(line.startswith(("metadata.json ", "field ")) and ";" not in line
+               for line in found)
+
+
+def test_each_missing_field_is_named_with_its_path_for_the_worker(tmp_path: Path) -> None:
+    path = folder(tmp_path, {"name": "digits", "labels": ["a"], "request": {"shape": [8]}})
+    assert [p.split(":")[0] for p in problems(path)] == [
+        "field input.name", "field input.dtype", "field input.shape", "field output.name",
+        "field request.dtypes"]
+
+
+@pytest.mark.parametrize(("policy", "shown"), [
+    ({"max_age_ms": 200, "latest_frame": True}, "max age 200 ms, latest frame"),
+    ({"max_age_ms": 12.5}, "max age 12.5 ms"),
+    ({"latest_frame": True}, "latest frame"),
+    (None, None),
+])
+def test_the_report_shows_the_queue_policy(
+    tmp_path: Path, runner: CliRunner, policy: dict[str, Any] | None, shown: str | None,
+) -> None:
+    meta = {**META} if policy is None else {**META, "queue_policy": policy}
+    out = runner.invoke(cli, ["models", "check", str(folder(tmp_path, meta))])
+    assert out.exit_code == 0, out.output
+    queue = [line for line in out.stdout.splitlines() if line.startswith("queue ")]
+    assert queue == ([] if shown is None else [
+        f"queue     policy: {shown} (docs/delivery.md)"])

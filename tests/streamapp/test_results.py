@@ -184,8 +184,10 @@ async def test_records_that_are_not_results_get_a_line_each(
 
 
 def test_an_expired_or_superseded_request_shows_its_outcome_as_the_label() -> None:
-    for outcome, shown in (("expired", "expired"), ("superseded", "superse…")):  # 8 columns
+    header = RESULT_HEADER.index("SCORE") + len("SCORE")
+    for outcome in ("expired", "superseded"):  # superseded runs on into the score column
         line = format_result_line(entry(result(outputs={}, outcome=outcome)))
-        assert line.split()[-3:] == [shown, "-", "12.3"]
+        assert line.split()[-3:] == [outcome, "-", "12.3"] and len(line) <= 79
+        assert line.index(" -") + 2 == header  # the "-" under SCORE
     answered = format_result_line(entry(result(outcome="answered")))
     assert answered == format_result_line(entry(result()))
