@@ -14,7 +14,7 @@ help:
 	@echo "make kafka-jars - fetch Apache Kafka's jars with Maven (done on first use anyway)"
 	@echo "make kafka  - run a local single-node Apache Kafka until Ctrl-C"
 	@echo "make lint   - ruff and mypy"
-	@echo "make bench  - benchmarks on CPU: ceilings, product, seeds' comparison, backlog, scale-out; Apache Kafka beside the embedded broker (~12 min), isolation from web queries and failing requests (~4 min)"
+	@echo "make bench  - benchmarks on CPU: ceilings, product, seeds' comparison, backlog, scale-out; Apache Kafka beside the embedded broker (~12 min), isolation from web queries and failing requests (~4 min), the cost of a hot swap (bench.swap, ~15 s)"
 	@echo "make bench-smoke   - the same code paths, both brokers, in about 3 minutes (CI runs it as a test)"
 	@echo "make bench-backlog - worker RSS with 1,000,000 requests waiting, alone"
 	@echo "make bench-scaleout - only the scale-out: N = 1, 2 workers and the ceilings (~4 min)"
@@ -78,6 +78,7 @@ docs: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m bench run --profile cpu --out bench-results/cpu
 	$(BIN)/python -m bench isolation --out bench-results/isolation
+	$(BIN)/python -m bench.swap --out bench-results/swap.json
 
 bench-smoke: $(STAMP)
 	$(BIN)/python -m bench run --profile smoke --out bench-results/smoke

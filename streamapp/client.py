@@ -198,8 +198,9 @@ def check_request_size(request: InferenceRequest, codec: CodecName, limit: int,
         raise FrameError(
             f"the request for device {request.device_id!r}{source} is {len(value):,} bytes as "
             f"{codec}, more than max_request_bytes={limit:,} that the worker accepts "
-            "(STREAMAPP_MAX_REQUEST_BYTES): send a smaller frame (resize the image, or "
-            "compress it as a JPEG)"
+            "(STREAMAPP_MAX_REQUEST_BYTES): send a smaller frame ("
+            + ("resize the image, or compress it as a JPEG" if request.image is not None else
+               "a smaller tensor or dtype, or the image it came from as a JPEG") + ")"
             + (", or msgpack instead of json (no base64)" if codec == "json" else "")
         )
     return value

@@ -167,8 +167,8 @@ def frame_input(frame: Frame) -> TensorPayload | bytes:
     if isinstance(frame, Image.Image):
         return _pil_bytes(frame)
     raise FrameError(
-        f"a frame is a numpy array, PNG/JPEG bytes, a file path or a PIL image, not a "
-        f"{type(frame).__name__}"
+        f"a frame is a numpy array, PNG/JPEG bytes, a file path or a PIL image; got "
+        f"{type(frame).__name__} {_clip_repr(frame)}"
     )
 
 
@@ -270,3 +270,9 @@ def iter_frames(paths: list[Path]) -> Iterator[tuple[Path, TensorPayload | bytes
     """
     for path in paths:
         yield path, _read_path(path)
+
+
+def _clip_repr(value: object, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+

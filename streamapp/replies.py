@@ -26,7 +26,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.errors import KafkaError
 
 from streamapp.codecs import decode_dead_letter, decode_result
-from streamapp.exceptions import BrokerError, InternalError
+from streamapp.exceptions import BrokerError, InternalError, SecurityError
 from streamapp.kafka import describe_error, partitions_of, start_or_close
 from streamapp.records import DeadLetter
 
@@ -115,6 +115,8 @@ class ReplyWaiter:
     ) -> None:
         self.result_topic, self.dlq_topic = result_topic, dlq_topic
         self.skipped = 0
+        #: the SASL user, if any: a topic it may not describe looks absent
+        self._user = str((security or {}).get("sasl_plain_username") or "")
         self._consumer = AIOKafkaConsumer(
             bootstrap_servers=bootstrap_servers, group_id=None, enable_auto_commit=False,
             # the embedded broker holds an empty fetch for the whole wait: keep it short, it
@@ -136,6 +138,8 @@ class ReplyWaiter:
         Raises:
             BrokerError: A topic does not exist (no worker created it yet), or the broker did
                 not answer.
+            SecurityError: The same with a SASL user: the topic may exist but the user may
+                not describe it (an ACL is missing).
         """
         try:
             await start_or_close(self._consumer)
@@ -147,10 +151,15 @@ class ReplyWaiter:
                 try:
                     numbers = await partitions_of(self._consumer, topic)
                 except RuntimeError:
-                    raise BrokerError(
+                    user = self._user
+                    raise (SecurityError if user else BrokerError)(
                         f"topic {topic!r} does not exist: start a worker (streamapp worker), "
                         "which creates it, or check the broker and the topic prefix "
-                        "(STREAMAPP_TOPIC_PREFIX)"
+                        "(STREAMAPP_TOPIC_PREFIX)" + (
+                            f"; or the broker denied user {user!r} access to it (a topic the "
+                            "user may not describe looks absent): replies need Read and "
+                            "Describe on the result and DLQ topics (docs/deployment.md)"
+                            if user else "")
                     ) from None
                 partitions += [TopicPartition(topic, p) for p in sorted(numbers)]
             self._consumer.assign(partitions)

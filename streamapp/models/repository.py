@@ -384,6 +384,11 @@ class ModelRepository:
             for sub in directory.iterdir():
                 if sub.name.isdigit() and (sub / "metadata.json").is_file():
                     found[normal_version(sub.name)] = sub
+        if not found and not self.root.is_dir():
+            raise ModelNotFoundError(
+                f"model {name!r}: the model repository {self.root} does not exist (or is not "
+                "a folder): check --models-dir (STREAMAPP_MODELS_DIR)"
+            )
         if not found:
             raise ModelNotFoundError(
                 f"model {name!r} is not in {self.root}; models there: "

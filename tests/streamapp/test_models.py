@@ -74,6 +74,15 @@ def test_empty_repository_says_none(tmp_path: Path) -> None:
         repository.get("digits")
 
 
+def test_a_repository_that_does_not_exist_is_named_as_such(tmp_path: Path) -> None:
+    with pytest.raises(ModelNotFoundError) as info:
+        ModelRepository(tmp_path / "nodir").get("digits")
+
+    assert str(info.value) == (
+        f"model 'digits': the model repository {tmp_path / 'nodir'} does not exist (or is not a "
+        "folder): check --models-dir (STREAMAPP_MODELS_DIR)")
+
+
 def test_invalid_metadata_is_a_config_error(tmp_path: Path) -> None:
     meta = json.loads((BUNDLED_MODELS_DIR / "digits" / "metadata.json").read_text())
     del meta["labels"]

@@ -102,9 +102,9 @@ def test_a_frame_larger_than_max_request_bytes(runner: CliRunner, tmp_path: Path
     (line,) = result.output.splitlines()
     assert line.startswith(f"error: the request for device 'cam1' ({big}) is 21,")
     assert line.endswith("bytes as json, more than max_request_bytes=16,384 that the worker "
-                         "accepts (STREAMAPP_MAX_REQUEST_BYTES): send a smaller frame (resize the "
-                         "image, or compress it as a JPEG), or msgpack instead of json (no "
-                         "base64)")
+                         "accepts (STREAMAPP_MAX_REQUEST_BYTES): send a smaller frame (a smaller "
+                         "tensor or dtype, or the image it came from as a JPEG), or msgpack "
+                         "instead of json (no base64)")
 
 
 @pytest.mark.parametrize(("value", "shown"), [
@@ -208,8 +208,8 @@ def test_images_as_bytes_path_and_pil() -> None:
      "with .astype(...))"),
     (np.zeros((1,) * 9, np.uint8), "the array of shape [1, 1, 1, 1, 1, 1, 1, 1, 1] has 9 "
      "dimensions; a request tensor has at most 8"),
-    ([1, 2, 3], "a frame is a numpy array, PNG/JPEG bytes, a file path or a PIL image, not a "
-     "list"),
+    ([1, 2, 3], "a frame is a numpy array, PNG/JPEG bytes, a file path or a PIL image; got "
+     "list [1, 2, 3]"),
 ])
 def test_frames_that_cannot_become_requests(frame: object, message: str) -> None:
     with pytest.raises(FrameError) as raised:
