@@ -511,13 +511,12 @@ class Bench:
         wl = workload(plan.workload, run=f"{self.run_id}-dl", models_dir=self._models_dir(plan),
                       fields={"deadline": POLICY_DEADLINE_MS})
         sat = self.saturation(plan, wl, label=f"saturation, deadline {POLICY_DEADLINE_MS:.0f} ms")
-        expired = sat.get("dead_letters_or_other", 0)
         ratio = round(sat["results_per_s"] / plain_per_s, 3) if plain_per_s else None
         self.log(f"  queue policy on ÷ off: throughput {_f(ratio, '.2f')} "
                  f"({sat['results_per_s']:,.0f} / {plain_per_s:,.0f} results/s)")
         return {"deadline_ms": POLICY_DEADLINE_MS, "results_per_s": sat["results_per_s"],
                 "plain_results_per_s": plain_per_s, "throughput_ratio": ratio,
-                "dead_letters_or_other": expired, "saturation": sat}
+                "dead_letters_or_other": sat.get("dead_letters_or_other", 0), "saturation": sat}
 
     def exactly_once(self, plan: Plan, wl: Workload) -> dict[str, Any]:
         """``processing_guarantee`` side by side on this Apache Kafka (issue 21): for each
