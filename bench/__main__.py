@@ -86,6 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     hot.add_argument("--worker-env", action="append", default=[], metavar="KEY=VAL",
                      help="environment of the worker (repeatable), e.g. "
                      "STREAMAPP_MAX_BATCH_SIZE=128")
+    hot.add_argument("--profile-s", type=float, default=0.0, metavar="S",
+                     help="py-spy on each rung for S seconds of its drain (needs py-spy)")
+    hot.add_argument("--profile-after-s", type=float, default=8.0, metavar="S",
+                     help="start that profile S seconds after the rung's launch")
     iso = sub.add_parser("isolation", help="inference latency with and without a web flood "
                          "or a failing stream, side by side in one run (issue 19)")
     iso.add_argument("--scenarios", default=",".join(SCENARIOS),
@@ -188,7 +192,8 @@ def _hotpath(args: argparse.Namespace, parser: argparse.ArgumentParser,
         env[key] = value
     config = HotpathConfig(requests=args.requests, broker=args.broker, rungs=rungs,
                            uvloop=args.uvloop, worker_env=env,
-                           yardstick_batch=args.yardstick_batch)
+                           yardstick_batch=args.yardstick_batch, profile_s=args.profile_s,
+                           profile_after_s=args.profile_after_s)
     # SIGTERM (an outer `timeout`) unwinds like Ctrl-C: the broker and the child are stopped
     # and what was measured is already written.
     signal.signal(signal.SIGTERM, lambda _sig, _frame: sys.exit(128 + signal.SIGTERM))

@@ -25,6 +25,7 @@ import asyncio
 import os
 import shutil
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -37,7 +38,15 @@ import psutil
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from bench.common import produce_backlog
-from bench.procs import BrokerKind, bench_topics, fresh_broker, kind_of, topic_names
+from bench.procs import (
+    BrokerKind,
+    bench_topics,
+    fresh_broker,
+    kind_of,
+    profile_pid,
+    py_spy,
+    topic_names,
+)
 from bench.run import environment
 from bench.scaleout import Child
 from bench.workloads import Workload, result_parse, workload
@@ -77,6 +86,9 @@ class HotpathConfig:
         backend: The worker's engine backend.
         yardstick_batch: The yardstick's ``take_events`` bound (records); None: the
             product's ``max_batch_size`` (the same batches on both sides).
+        profile_s: Seconds of ``py-spy record`` on each rung's process during its drain
+            (0: none), started ``profile_after_s`` after the launch (past the start-up).
+        profile_after_s: Seconds from a rung's launch to the start of its profile.
     """
 
     requests: int = 30_000
@@ -90,6 +102,8 @@ class HotpathConfig:
     max_batch_delay_ms: float = 5.0
     backend: str = "onnxruntime"
     yardstick_batch: int | None = None
+    profile_s: float = 0.0
+    profile_after_s: float = 8.0
 
     def worker_settings(self) -> dict[str, Any]:
         """The worker's settings (name → value) before broker, topics and data directory."""
@@ -333,6 +347,8 @@ class Hotpath:
                 code = process.poll()
                 return None if code is None else f"{name} exited with status {code}"
 
+            spy = _DelayedProfile(process.pid, cfg.profile_after_s, cfg.profile_s,
+                                  self.logs / f"profile-{name}-{cfg.broker}.txt")
             try:
                 res = asyncio.run(measure_drain(
                     broker.bootstrap_servers, outputs, cfg.requests,
@@ -340,6 +356,7 @@ class Hotpath:
                     measured=name, timeout_s=cfg.drain_timeout_s(), dead=dead,
                     batch_sizes=name == "product"))
             finally:
+                profile = spy.result()
                 stopping = time.monotonic()
                 child.stop(timeout_s=20.0)
                 phases["child_stop_s"] = round(time.monotonic() - stopping, 1)
@@ -355,6 +372,8 @@ class Hotpath:
         if res.get("first"):
             res["launch_to_first_s"] = round(res["first"] - t_launch, 2)
         res["cpu_us_per_record_self"] = (res.get("cpu_us_per_record") or {}).get(name)
+        if profile:
+            res["profile"] = profile
         sizes = res.pop("batch_sizes")
         if name == "product":
             res.update(batch_summary(sizes, cfg.batch_bound))
@@ -364,6 +383,46 @@ class Hotpath:
                                   "within_ms": cfg.delay_ms, "uvloop": cfg.uvloop}
         self.log("  " + format_rung(name, res, cfg.batch_bound))
         return res
+
+
+class _DelayedProfile:
+    """``py-spy record`` on ``pid`` for ``seconds``, starting ``after_s`` from now (a timer
+    thread), so a drain's profile leaves out the worker's start-up; :meth:`result` waits for
+    it and returns :func:`bench.profile.summarize` of the samples (``{}`` when
+    ``seconds`` is 0, ``skipped``/``error`` when py-spy is missing or failed)."""
+
+    def __init__(self, pid: int, after_s: float, seconds: float, raw: Path) -> None:
+        self.pid, self.seconds, self.raw = pid, seconds, raw
+        self.out: dict[str, Any] = {}
+        self.spy: Any = None
+        self.timer: threading.Timer | None = None
+        if seconds > 0:
+            if py_spy() is None:
+                self.out["skipped"] = "py-spy not installed"
+            else:
+                self.timer = threading.Timer(after_s, self._start)
+                self.timer.daemon = True
+                self.timer.start()
+
+    def _start(self) -> None:
+        self.spy = profile_pid(self.pid, self.seconds, self.raw)
+
+    def result(self) -> dict[str, Any]:
+        if self.timer is None:
+            return self.out
+        self.timer.cancel()
+        self.timer.join()
+        if self.spy is None:
+            return {"skipped": "the drain ended before the profile started"}
+        from bench.profile import summarize
+
+        _, err = self.spy.communicate(timeout=self.seconds + 60)
+        if self.spy.returncode != 0 or not self.raw.is_file():
+            self.out["error"] = err.decode(errors="replace")[-500:]
+        else:
+            self.out.update(summarize(self.raw, duration_s=max(1, int(self.seconds))))
+            self.out["raw_file"] = self.raw.name
+        return self.out
 
 
 def hotpath_ratios(rungs: Mapping[str, Mapping[str, Any]], bound: int) -> dict[str, Any]:
@@ -414,6 +473,10 @@ def format_rung(name: str, res: Mapping[str, Any], bound: int) -> str:
                  f"batches of {bound}")
         if res.get("other"):
             line += f", {res['other']} dead letters"
+    if res.get("profile"):
+        from bench.profile import describe
+
+        line += f"\n    profile: {describe(res['profile'])}"
     if not res.get("complete"):
         line += (f"; INCOMPLETE: {res.get('records')} of {res.get('backlog')}"
                  f" ({res.get('stopped_by', '?')})")

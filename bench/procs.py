@@ -40,13 +40,17 @@ BENCH_KAFKA_JVM_OPTS = ("-Xmx1G -Xms1G -server -XX:+UseG1GC -XX:MaxGCPauseMillis
 
 
 @contextlib.contextmanager
-def fresh_broker(log_dir: Path, name: str, kind: BrokerKind = "embedded") -> Iterator[Broker]:
+def fresh_broker(log_dir: Path, name: str, kind: BrokerKind = "embedded",
+                 nodes: int | None = None) -> Iterator[Broker]:
     """A new broker for one measurement (or one workload, on Apache Kafka).
 
     ``embedded``: Tansu, fresh per measurement (its log length then does not carry over:
-    shared/BROKER.md item 3). ``kafka``: a single-node Apache Kafka (KRaft, temporary data
-    directory, the tests' broker properties: streamapp.kafka_server.broker_properties;
+    shared/BROKER.md item 3). ``kafka``: Apache Kafka of ``nodes`` nodes (KRaft, temporary
+    data directory, the tests' broker properties: streamapp.kafka_server.broker_properties,
+    with the 2-core thread counts only on a machine of at most 4 cores;
     :data:`BENCH_KAFKA_JVM_OPTS`); its log is copied to ``log_dir`` when it stops.
+    ``nodes`` None: ``$BENCH_KAFKA_NODES``, else 1. Each node leads about 1/``nodes`` of
+    every topic's partitions (replication factor 1 below 3 nodes).
     """
     if kind == "embedded":
         with EmbeddedBroker(log_path=log_dir / f"broker-{name}.log") as broker:
@@ -54,7 +58,8 @@ def fresh_broker(log_dir: Path, name: str, kind: BrokerKind = "embedded") -> Ite
         return
     previous = os.environ.get(JVM_OPTS_ENV)
     os.environ[JVM_OPTS_ENV] = previous or BENCH_KAFKA_JVM_OPTS
-    kafka = KafkaBroker()
+    count = nodes if nodes is not None else int(os.environ.get("BENCH_KAFKA_NODES") or 1)
+    kafka = KafkaBroker(count)
     try:
         kafka.start()
     finally:

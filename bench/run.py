@@ -819,12 +819,19 @@ def run_profile(profile: Profile, out: Path, *, only: tuple[str, ...] = (),
         bench.results["apache_kafka"] = {"skipped": missing}
     elif "kafka" in brokers:
         from bench.procs import BENCH_KAFKA_JVM_OPTS
-        from streamapp.kafka_server import JVM_OPTS_ENV, KAFKA_VERSION, broker_properties
+        from streamapp.kafka_server import (
+            JVM_OPTS_ENV,
+            KAFKA_VERSION,
+            broker_properties,
+            is_small_machine,
+        )
 
+        nodes = int(os.environ.get("BENCH_KAFKA_NODES") or 1)
         bench.results["apache_kafka"] = {
-            "version": KAFKA_VERSION, "nodes": 1,
+            "version": KAFKA_VERSION, "nodes": nodes,
             "jvm_opts": os.environ.get(JVM_OPTS_ENV) or BENCH_KAFKA_JVM_OPTS,
-            "properties": broker_properties(1), "workloads": {}}
+            "properties": broker_properties(nodes, small_machine=is_small_machine()),
+            "workloads": {}}
         for plan in plans:
             if not fits(f"{plan.workload} on Apache Kafka",
                         estimate_kafka_s(plan, profile, start_s)):

@@ -519,6 +519,10 @@ class ScaleOut:
         self.section: dict[str, Any] = results.setdefault("scaleout", {})
         self.section.update({"profile": profile.name, "launcher": launcher, "broker": broker,
                              "gpu_executor": gpu_executor,
+                             # BENCH_KAFKA_NODES (bench.procs.fresh_broker); "broker CPU"
+                             # is the first node's alone
+                             "kafka_nodes": int(os.environ.get("BENCH_KAFKA_NODES") or 1)
+                             if broker == "kafka" else None,
                              "plans": [asdict(p) for p in profile.plans]})
         self.section.setdefault("series", {})
         self.section.setdefault("engine", {})
