@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
                        help="comma-separated processes to py-spy under closed-loop load after "
                        "each drain: w0, w1, ..., gpu-server0 (issue 17)")
     scale.add_argument("--profile-s", type=float, default=8.0, help="seconds of that profile")
+    scale.add_argument("--no-mps", action="store_true", help="leave out the CUDA MPS steps")
     scale.add_argument("--dry-run", action="store_true",
                        help="print the steps, their estimates and what the budget skips")
     backlog = sub.add_parser("backlog", help="worker RSS with a backlog waiting in the topic")
@@ -221,7 +222,8 @@ def _scaleout(args: argparse.Namespace, log: Callable[[str], None]) -> int:
     if args.dry_run:
         run_scaleout(SCALE_PROFILES[args.profile], results, Path("."), log=log,
                      launcher=args.launcher, budget_s=args.budget_s, ns=ns, only=only,
-                     dry_run=True, backend=args.backend, gpu_executor=args.gpu_executor)
+                     dry_run=True, backend=args.backend, gpu_executor=args.gpu_executor,
+                     no_mps=args.no_mps)
         return 0
     out.mkdir(parents=True, exist_ok=True)
     results["env"] = environment()
@@ -235,7 +237,7 @@ def _scaleout(args: argparse.Namespace, log: Callable[[str], None]) -> int:
                  launcher=args.launcher, budget_s=args.budget_s, ns=ns, only=only, save=save,
                  backend=args.backend, broker=args.broker, gpu_executor=args.gpu_executor,
                  profile_procs=tuple(p for p in args.profile_procs.split(",") if p),
-                 profile_s=args.profile_s)
+                 profile_s=args.profile_s, no_mps=args.no_mps)
     results["elapsed_s"] = round(time.monotonic() - started, 1)
     save()
     report = format_report(results)

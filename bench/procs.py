@@ -50,7 +50,8 @@ def fresh_broker(log_dir: Path, name: str, kind: BrokerKind = "embedded",
     with the 2-core thread counts only on a machine of at most 4 cores;
     :data:`BENCH_KAFKA_JVM_OPTS`); its log is copied to ``log_dir`` when it stops.
     ``nodes`` None: ``$BENCH_KAFKA_NODES``, else 1. Each node leads about 1/``nodes`` of
-    every topic's partitions (replication factor 1 below 3 nodes).
+    every topic's partitions (replication factor 1 below 3 nodes). ``$BENCH_KAFKA_SMALL=1``
+    forces the 2-core thread counts (2 network, 2 I/O threads) on any machine, for an A/B.
     """
     if kind == "embedded":
         with EmbeddedBroker(log_path=log_dir / f"broker-{name}.log") as broker:
@@ -59,7 +60,8 @@ def fresh_broker(log_dir: Path, name: str, kind: BrokerKind = "embedded",
     previous = os.environ.get(JVM_OPTS_ENV)
     os.environ[JVM_OPTS_ENV] = previous or BENCH_KAFKA_JVM_OPTS
     count = nodes if nodes is not None else int(os.environ.get("BENCH_KAFKA_NODES") or 1)
-    kafka = KafkaBroker(count)
+    small = True if os.environ.get("BENCH_KAFKA_SMALL") == "1" else None
+    kafka = KafkaBroker(count, small_machine=small)
     try:
         kafka.start()
     finally:

@@ -54,6 +54,7 @@ from bench.workloads import Workload, result_parse, workload
 from streamapp.broker import EmbeddedBroker
 from streamapp.children import free_port, popen_child
 from streamapp.kafka import create_topics
+from streamapp.kafka_server import is_small_machine
 from streamapp.process import WorkerProcess
 from streamapp.supervisor import read_state
 
@@ -523,6 +524,9 @@ class ScaleOut:
                              # is the first node's alone
                              "kafka_nodes": int(os.environ.get("BENCH_KAFKA_NODES") or 1)
                              if broker == "kafka" else None,
+                             # the 2-core thread counts (BENCH_KAFKA_SMALL, broker_properties)
+                             "kafka_small_machine": os.environ.get("BENCH_KAFKA_SMALL") == "1"
+                             or is_small_machine() if broker == "kafka" else None,
                              "plans": [asdict(p) for p in profile.plans]})
         self.section.setdefault("series", {})
         self.section.setdefault("engine", {})
@@ -852,7 +856,7 @@ def run_scaleout(profile: ScaleProfile, results: dict[str, Any], logs: Path, *, 
                  dry_run: bool = False, save: Callable[[], None] = lambda: None,
                  backend: str | None = None, broker: BrokerKind = "embedded",
                  gpu_executor: str = "inprocess", profile_procs: tuple[str, ...] = (),
-                 profile_s: float = 8.0) -> dict[str, Any]:
+                 profile_s: float = 8.0, no_mps: bool = False) -> dict[str, Any]:
     """Run (or, ``dry_run``, print) the scale-out section; returns ``results["scaleout"]``.
 
     Args:
@@ -871,6 +875,7 @@ def run_scaleout(profile: ScaleProfile, results: dict[str, Any], logs: Path, *, 
             mean batch the server's engine saw.
         profile_procs: Processes py-spy records after each workers drain, for ``profile_s``
             under closed-loop load (keys of the fleet: ``w0``..., ``gpu-server0``...).
+        no_mps: Leave out the CUDA MPS steps (the comparison is in docs/scaleout.md).
     """
     if gpu_executor == "shared" and launcher != "processes":
         log("  gpu_executor=shared: the workers are started by `streamapp worker --processes N`"
@@ -885,12 +890,12 @@ def run_scaleout(profile: ScaleProfile, results: dict[str, Any], logs: Path, *, 
         scale.profile_procs, scale.profile_s = profile_procs, profile_s
     section = results.setdefault("scaleout", {}) if scale is None else scale.section
     has_mps = shutil.which("nvidia-cuda-mps-control") is not None
-    steps = plan_steps(profile, scale, ns, mps=has_mps or dry_run)
+    steps = plan_steps(profile, scale, ns, mps=(has_mps or dry_run) and not no_mps)
     log(f"\n== scale-out ({profile.name}, launcher {launcher}, gpu executor {gpu_executor}): "
         f"{len(steps)} steps, estimated "
         f"{sum(s.estimate_s for s in steps):.0f} s"
         + (f", budget {budget_s:.0f} s" if budget_s is not None else ""))
-    if not has_mps and any(p.mps_ns for p in plans):
+    if not has_mps and not no_mps and any(p.mps_ns for p in plans):
         msg = "CUDA MPS steps: SKIPPED, nvidia-cuda-mps-control is not on PATH"
         log("  " + msg + (" (listed below as they would run)" if dry_run else ""))
         section.setdefault("skipped", []).append(msg)
