@@ -192,6 +192,13 @@ class Settings(BaseSettings):
         "copy costs microseconds, the thread crossing up to a GIL switch interval (GPU "
         "backends only; images the engine decodes always go to a pack thread). 0: never.",
     )
+    cuda_poll_ms: float = Field(
+        5.0, ge=0, le=1000,
+        description="How long the event loop polls the completion of a batch it enqueued "
+        "itself (cuda_inline_pack_kib) before a waiter thread takes it over (ms): answering a "
+        "small batch on the loop saves two GIL crossings (GPU backends only). 0: the waiter "
+        "thread always.",
+    )
     gil_switch_interval_ms: float = Field(
         5.0, gt=0, le=100,
         description="CPython's thread switch interval in the worker and executor server "

@@ -34,8 +34,8 @@ def _make_executor(
     Args:
         backend: A registered backend name (not ``auto``).
         model_path: The model's file.
-        settings: ``max_batch_size``, ``max_inflight_batches``, ``cuda_streams`` and
-            ``cuda_inline_pack_kib`` are used.
+        settings: ``max_batch_size``, ``max_inflight_batches``, ``cuda_streams``,
+            ``cuda_inline_pack_kib`` and ``cuda_poll_ms`` are used.
         options: Backend options from the model's metadata (e.g. ``precision``).
 
     Raises:
@@ -50,7 +50,8 @@ def _make_executor(
         depth = max(1, -(-settings.max_inflight_batches // settings.cuda_streams))
         return CudaExecutor(engine, streams=settings.cuda_streams, depth=depth,
                             max_batch=settings.max_batch_size,
-                            inline_pack_bytes=settings.cuda_inline_pack_kib * 1024)
+                            inline_pack_bytes=settings.cuda_inline_pack_kib * 1024,
+                            inline_poll_s=settings.cuda_poll_ms / 1000.0)
     return ThreadExecutor(engine, max_inflight=settings.max_inflight_batches)
 
 

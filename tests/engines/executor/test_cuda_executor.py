@@ -180,3 +180,40 @@ async def test_batches_packed_on_the_loop_or_in_a_pool_thread_give_the_same_outp
             await ex.run([{"x": np.zeros(3, np.float64)}])
     for batch, out in zip(batches, outs, strict=True):
         np.testing.assert_array_equal(out["y"], engine.expected(_x(batch)))
+
+
+async def test_small_batches_are_answered_by_polling_on_the_loop() -> None:
+    # inline packing (the default for small inputs) + polling: no waiter thread involved
+    engine = AffineEngine(max_batch=8)
+    async with CudaExecutor(engine, streams=2, depth=2, inline_poll_s=5.0) as ex:
+        batches = [items(1 + k % 8, start=10 * k) for k in range(12)]
+        outs = await asyncio.gather(*(ex.run(b) for b in batches))
+        assert (ex.polled, ex.poll_handoffs) == (12, 0)
+    for batch, out in zip(batches, outs, strict=True):
+        np.testing.assert_array_equal(out["y"], engine.expected(_x(batch)))
+
+
+async def test_a_batch_still_running_after_the_poll_budget_goes_to_the_waiter_thread() -> None:
+    engine = AffineEngine(max_batch=4, delay_s=0.05)
+    async with CudaExecutor(engine, streams=1, depth=2, inline_poll_s=0.001) as ex:
+        batches = [items(4, start=k) for k in range(3)]
+        outs = await asyncio.gather(*(ex.run(b) for b in batches))
+        assert ex.poll_handoffs >= 1
+        assert ex.polled + ex.poll_handoffs == 3
+    for batch, out in zip(batches, outs, strict=True):
+        np.testing.assert_array_equal(out["y"], engine.expected(_x(batch)))
+
+
+@pytest.mark.parametrize("inline_poll_s", [0.0, 5.0])
+async def test_a_failing_batch_fails_alone_whether_polled_or_waited_for(
+    inline_poll_s: float,
+) -> None:
+    engine = AffineEngine(max_batch=4, poison=-1.0)
+    async with CudaExecutor(engine, streams=1, depth=2, inline_poll_s=inline_poll_s) as ex:
+        bad = [{"x": np.full(4, -1.0, np.float32)}]
+        good = items(2, start=3)
+        results = await asyncio.gather(ex.run(bad), ex.run(good), return_exceptions=True)
+        assert isinstance(results[0], EngineRuntimeError)
+        assert isinstance(results[1], dict)
+        np.testing.assert_array_equal(results[1]["y"], engine.expected(_x(good)))
+        assert ex.inflight == 0
