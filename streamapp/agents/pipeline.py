@@ -1271,39 +1271,65 @@ class InferencePipeline:
         assert request is not None and model is not None
         now = time.time()
         e2e_ms, skew_ms = self._e2e_ms(work, request, now)
-        if item.skipped is None:
+        skipped = item.skipped
+        if skipped is None:
             assert item.outputs is not None and batch is not None
             outputs, started_at = item.outputs, batch.started_at
             batch_id: str | None = f"{self.worker}/{batch.batch_id}"
+            self.stats.results += 1
         else:
             outputs, started_at, batch_id = {}, item.decided_at, None
-        result = InferenceResult(
-            request_id=request.request_id,
+        batch_size = batch.size if batch is not None else 0
+        queue_ms = round((started_at - work.source.received_at) * 1000.0, 3)
+        infer_ms = round(item.infer_ms, 3)
+        # InferenceResult(...).to_dict() written out: the same keys in the same order
+        # (tests/streamapp/agents/test_pipeline_results.py holds them to it), without building
+        # the dataclass and copying it into a dict for every result
+        body: dict[str, Any] = {
+            "request_id": request.request_id,
+            "device_id": request.device_id,
+            "seq": request.seq,
+            "model": request.model,
+            "engine": model.info.tag,
+            "model_version": model.version,
+            "outputs": outputs,
+            "attempt": work.attempt,
+            "queue_ms": queue_ms,
+            "infer_ms": infer_ms,
+            "e2e_ms": e2e_ms,
+            "batch_id": batch_id,
+            "batch_size": batch_size,
+            "worker": self.worker,
+            "ts": now,
+            "clock_skew_ms": skew_ms,
+            "outcome": skipped or "answered",
+        }
+        if work.policy is not None:
+            body.update(work.policy)
+        value = encode_result(body, self.settings.result_codec)
+        top_k = outputs.get("top_k")
+        top = top_k[0] if top_k else None
+        source = work.source
+        outcome = Outcome(
+            kind=skipped or "result",
             device_id=request.device_id,
+            request_id=request.request_id,
             seq=request.seq,
             model=request.model,
-            engine=model.info.tag,
-            model_version=model.version,
-            outputs=outputs,
-            attempt=work.attempt,
-            queue_ms=round((started_at - work.source.received_at) * 1000.0, 3),
-            infer_ms=round(item.infer_ms, 3),
+            reason=None,
+            label=top["label"] if top else None,
+            score=top["score"] if top else None,
             e2e_ms=e2e_ms,
-            batch_id=batch_id,
-            batch_size=batch.size if batch is not None else 0,
-            worker=self.worker,
-            ts=now,
+            queue_ms=queue_ms,
+            infer_ms=infer_ms,
+            attempt=work.attempt,
+            ts=time.time(),
+            partition=source.partition,
+            event=source.event,
+            batch_size=batch_size,
             clock_skew_ms=skew_ms,
-            outcome=item.skipped or "answered",
-            policy=work.policy,
         )
-        if item.skipped is None:
-            self.stats.results += 1
-        value = encode_result(result.to_dict(), self.settings.result_codec)
-        return (
-            self.settings.result_topic, request.device_id.encode(), value,
-            self._outcome(item.skipped or "result", work, result=result),
-        )
+        return self.settings.result_topic, request.device_id.encode(), value, outcome
 
     def _e2e_ms(
         self, work: _Work, request: InferenceRequest, now: float

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -240,6 +241,11 @@ class ModelConfig:
                 f"model {self.name!r} expects a tensor of shape {list(self.request_shape)}, "
                 f"got {list(tensor.shape)}",
             )
+        plan = self._tensor_plans.get(tensor.dtype)
+        if plan is not None and len(tensor.data) == plan.nbytes:
+            quick = self._quick_input(plan, tensor.data)
+            if quick is not None:
+                return quick
         raw = tensor_to_array(tensor)
         array = None
         if not self.allow_non_finite and raw.dtype.kind == "f":
@@ -308,6 +314,9 @@ class ModelConfig:
     def _convert(self, raw: np.ndarray) -> np.ndarray:
         if raw.dtype == self.input_dtype and self.scale == 1.0 and self.offset == 0.0:
             return raw  # nothing to do: keep the view of the received bytes
+        plan = self._tensor_plans.get(raw.dtype.name)
+        if plan is not None and plan.quiet:
+            return plan.convert(raw)
         with np.errstate(over="ignore", invalid="ignore"):  # overflow is reported by the caller
             array = raw.astype(self.input_dtype)
             if self.scale != 1.0:
@@ -315,6 +324,49 @@ class ModelConfig:
             if self.offset != 0.0:
                 array += self.input_dtype.type(self.offset)
         return array
+
+    @property
+    def _tensor_plans(self) -> dict[str, _TensorPlan]:
+        """A :class:`_TensorPlan` per request dtype, worked out on first use. Kept outside the
+        instance (a frozen dataclass whose ``__dict__`` is its fields: code copies configs
+        with ``ModelConfig(**config.__dict__)``), by ``id``, while the config lives."""
+        entry = _PLANS.get(id(self))
+        if entry is not None and entry[0]() is self:
+            return entry[1]
+        plans = {}
+        for name in self.request_dtypes:
+            try:
+                dtype = np.dtype(name).newbyteorder("<")
+            except TypeError:
+                continue  # not a dtype: preprocess rejects it before a plan is looked up
+            plans[dtype.name] = _TensorPlan.make(self, dtype)
+        key = id(self)
+        _PLANS[key] = (weakref.ref(self, lambda _: _PLANS.pop(key, None)), plans)
+        return plans
+
+    def _quick_input(self, plan: _TensorPlan, data: bytes) -> np.ndarray | None:
+        """The engine input item of a tensor's little-endian ``data`` (``plan.nbytes`` long)
+        when it provably passes every check of :meth:`preprocess` (range, non-finite values,
+        overflow), with the fewest numpy calls; None to leave it to the full checks, which then
+        raise their exact error (or return the same array).
+
+        The plan's conversion is quiet (cannot overflow): an integer tensor then converts to
+        finite values, and only the range is checked. A float tensor within a (finite) value
+        range is finite, as min/max propagate NaN and ±Inf is outside the range: one range
+        check replaces both; without a range the converted values are checked for NaN/Inf.
+        """
+        if plan.kind == "other":
+            return None
+        raw = np.frombuffer(data, dtype=plan.dtype)
+        if plan.kind == "int" or self.value_range is not None:
+            if (plan.check_high and not _max(raw) <= plan.high) or (
+                    plan.check_low and not _min(raw) >= plan.low):
+                return None
+            return plan.convert(raw).reshape(plan.item_shape)
+        array = plan.convert(raw)
+        if not _all(_isfinite(array), axis=None):
+            return None
+        return array.reshape(plan.item_shape)
 
     def _to_input(self, raw: np.ndarray) -> np.ndarray:
         array = self._convert(raw)
@@ -339,15 +391,139 @@ class ModelConfig:
 
     def top_k_many(self, probs: np.ndarray, k: int) -> list[list[dict[str, Any]]]:
         """:meth:`top_k` of every row of ``probs`` (``float[batch, classes]``) in one sort:
-        the same labels, order (ties by class index) and rounded scores."""
+        the same labels, order (ties by class index) and rounded scores.
+
+        Returns:
+            One list per row of ``min(k, classes)`` ``{"label": str, "score": float}`` dicts,
+            most likely first; scores rounded to 6 decimals.
+        """
         probs = np.asarray(probs)
         order = np.argsort(-probs, axis=1, kind="stable")[:, :k]
+        width = order.shape[1]
         scores = np.round(np.take_along_axis(probs, order, axis=1).astype(np.float64), 6)
-        labels = self.labels
-        return [
-            [{"label": labels[i], "score": score} for i, score in zip(row, row_scores, strict=True)]
-            for row, row_scores in zip(order.tolist(), scores.tolist(), strict=True)
-        ]
+        # one flat list of pairs, then cut into rows: ~0.4 µs a row less than nested loops
+        labels = np.asarray(self.labels, dtype=object)[order].ravel().tolist()
+        flat = [{"label": label, "score": score}
+                for label, score in zip(labels, scores.ravel().tolist(), strict=True)]
+        if width == 0:
+            return [[] for _ in range(order.shape[0])]
+        return [flat[i:i + width] for i in range(0, len(flat), width)]
+
+
+#: Each live config's tensor plans (:attr:`ModelConfig._tensor_plans`), by ``id``.
+_PLANS: dict[int, tuple[weakref.ref[ModelConfig], dict[str, _TensorPlan]]] = {}
+
+_min, _max, _all, _isfinite = (
+    np.minimum.reduce, np.maximum.reduce, np.logical_and.reduce, np.isfinite)
+
+
+@dataclass(frozen=True, slots=True)
+class _TensorPlan:
+    """How :meth:`ModelConfig.preprocess` turns a request tensor of one dtype into an engine
+    input, worked out once per model and dtype.
+
+    Attributes:
+        dtype: The request dtype, little-endian.
+        nbytes: Bytes of a tensor of the model's request shape.
+        item_shape: The engine input shape of one item.
+        kind: ``"int"`` or ``"float"`` for a tensor the quick path may take (a float one only
+            where the model forbids NaN/Inf), ``"other"`` for the full checks always.
+        quiet: The conversion is the identity, or no value of ``dtype`` can overflow or meet
+            ``inf * 0`` on its way (cast, ``× scale``, ``+ offset``) into the engine's float
+            dtype, so it needs no ``np.errstate`` (~0.7 µs a request) and finite values stay
+            finite: an integer dtype whose largest magnitude, and that times ``|scale|`` plus
+            ``|offset|``, are at most half the engine dtype's largest finite value (the half
+            covers rounding); a float dtype not narrowed, with a scale that is not 0 in the
+            engine dtype, and ``|scale| <= 1`` without offset or the same bound.
+        check_low / check_high: Whether the value range's bound can be passed by ``dtype``
+            (an unsigned dtype never goes below 0).
+        low / high: The model's value range (request units); ±inf for none.
+        identity: The conversion is the identity: the input is a view of the request bytes.
+        out: The engine input dtype.
+        scaled / shifted: Whether ``preprocessing`` scale is not 1 / offset is not 0.
+        scale / offset: ``preprocessing`` scale and offset as the engine dtype's scalars.
+    """
+
+    dtype: np.dtype[Any]
+    nbytes: int
+    item_shape: tuple[int, ...]
+    kind: str
+    quiet: bool
+    check_low: bool
+    check_high: bool
+    low: float
+    high: float
+    identity: bool
+    out: np.dtype[Any]
+    scaled: bool
+    shifted: bool
+    scale: Any
+    offset: Any
+
+    @classmethod
+    def make(cls, config: ModelConfig, dtype: np.dtype[Any]) -> _TensorPlan:
+        out = config.input_dtype
+        with np.errstate(all="ignore"):  # float16(1e6) is inf: then the plan is not quiet
+            scale, offset = out.type(config.scale), out.type(config.offset)
+        low, high = config.value_range or (-np.inf, np.inf)
+        identity = dtype == out and config.scale == 1.0 and config.offset == 0.0
+        quiet = identity
+        if not identity and out.kind == "f" and dtype.kind in "iuf":
+            largest = float(np.finfo(out).max)
+            s, o = abs(float(scale)), abs(float(offset))
+            if dtype.kind == "f":
+                # a cast to a float type as wide or wider is exact; then |scale| <= 1 cannot
+                # grow a value, else the bound below holds for any finite value
+                bound = float(np.finfo(dtype).max) * s + o <= largest / 2
+                quiet = s != 0.0 and dtype.itemsize <= out.itemsize and (
+                    (s <= 1.0 and o == 0.0) or bound)
+            else:
+                limits = np.iinfo(dtype)
+                magnitude = float(max(-int(limits.min), int(limits.max)))
+                quiet = magnitude <= largest / 2 and magnitude * s + o <= largest / 2
+        check_low = check_high = config.value_range is not None
+        if dtype.kind in "iu" and check_low:
+            limits = np.iinfo(dtype)
+            check_low, check_high = bool(limits.min < low), bool(limits.max > high)
+        nbytes = int(np.prod(config.request_shape, dtype=np.int64)) * dtype.itemsize
+        if not quiet or nbytes == 0:  # an empty tensor: numpy's min/max refuse it
+            kind = "other"
+        elif dtype.kind in "iu":
+            kind = "int"
+        elif dtype.kind == "f" and not config.allow_non_finite:
+            kind = "float"
+        else:
+            kind = "other"
+        return cls(
+            dtype=dtype,
+            nbytes=nbytes,
+            item_shape=config.item_shape,
+            kind=kind,
+            quiet=quiet,
+            check_low=check_low,
+            check_high=check_high,
+            low=low,
+            high=high,
+            identity=identity,
+            out=out,
+            scaled=config.scale != 1.0,
+            shifted=config.offset != 0.0,
+            scale=scale,
+            offset=offset,
+        )
+
+    def convert(self, raw: np.ndarray) -> np.ndarray:
+        """``raw × scale + offset`` in the engine dtype, as :meth:`ModelConfig._convert`
+        computes it (cast, then scale, then offset, each rounded to the engine dtype), without
+        ``np.errstate``: call it only where :attr:`quiet`."""
+        if self.identity:
+            return raw
+        array = raw.astype(self.out)
+        if self.scaled:
+            array *= self.scale
+        if self.shifted:
+            array += self.offset
+        return array
 
 
 class ModelRepository:

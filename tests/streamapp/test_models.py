@@ -175,6 +175,26 @@ def test_top_k_of_all_classes(digits: ModelConfig) -> None:
     assert all(isinstance(t["score"], float) for t in top)
 
 
+@pytest.mark.parametrize("k", [1, 3, 10, 12])
+@pytest.mark.parametrize("rows", [0, 1, 64])
+def test_top_k_many_is_top_k_of_each_row(digits: ModelConfig, k: int, rows: int) -> None:
+    rng = np.random.default_rng(k * 100 + rows)
+    probs = rng.random((rows, 10)).astype(np.float32)
+    if rows:
+        probs[0] = 0.1  # ties: by class index
+        probs[-1, 3] = np.nan  # a NaN score sorts as argsort puts it, in both
+
+    many = digits.top_k_many(probs, k)
+
+    assert len(many) == rows
+    for got, row in zip(many, probs, strict=True):
+        want = digits.top_k(row, k)
+        assert [t["label"] for t in got] == [t["label"] for t in want]
+        assert [t["score"] for t in got] == pytest.approx([t["score"] for t in want],
+                                                           nan_ok=True)
+        assert all(type(t["score"]) is float and type(t["label"]) is str for t in got)
+
+
 def _model_with_policy(tmp_path: Path, policy: Any) -> ModelConfig:
     meta = json.loads((BUNDLED_MODELS_DIR / "digits" / "metadata.json").read_text())
     meta["queue_policy"] = policy

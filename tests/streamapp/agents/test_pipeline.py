@@ -9,6 +9,7 @@ against an independent offline ``onnxruntime`` session) or by :class:`FakeEngine
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -33,7 +34,7 @@ from streamapp.agents.pipeline import InferencePipeline, LoadedModel, SourceMess
 from streamapp.codecs import REASONS, decode_dead_letter, decode_result, encode_request
 from streamapp.metrics import Metrics
 from streamapp.models import ModelConfig, ModelRepository
-from streamapp.records import DeadLetter, InferenceRequest, TensorPayload
+from streamapp.records import DeadLetter, InferenceRequest, InferenceResult, TensorPayload
 from streamapp.retry import MemoryRetryStore, RetryRecord
 from streamapp.settings import Settings
 
@@ -294,6 +295,37 @@ async def test_predictions_match_dataset_labels(
 
     labels = [r["outputs"]["top_k"][0]["label"] for r in results_of(sink, pipeline)]
     assert labels == [str(t) for t in targets[:10]]
+
+
+@pytest.mark.parametrize("result_codec", ["json", "msgpack"])
+async def test_a_result_record_is_an_inference_result_and_its_outcome_says_the_same(
+    start_pipeline: StartPipeline, onnx_engine: Engine, images: np.ndarray, result_codec: str
+) -> None:
+    # _result writes InferenceResult.to_dict() out by hand: the same keys, in the same order
+    sink, source, recorder = FakeSink(), Source(), Recorder()
+    pipeline = await start_pipeline(ThreadExecutor(onnx_engine), sink, observers=[recorder],
+                                    result_codec=result_codec)
+    for i in range(4):
+        await pipeline.handle(good(source, images[i], "dev-a", i))
+    await wait_for(lambda: len(source.acked) == 4)
+
+    names = [f.name for f in dataclasses.fields(InferenceResult) if f.name != "policy"]
+    for sent, outcome in zip(sink.sent, recorder.outcomes, strict=True):
+        body = decode_result(sent.value)
+        assert list(body) == names
+        result = InferenceResult(**body)
+        assert result.to_dict() == body
+        assert result.outcome == "answered" and result.worker == WORKER
+        assert result.batch_id is not None and result.batch_id.startswith(f"{WORKER}/")
+        top = result.outputs["top_k"][0]
+        assert (outcome.kind, outcome.request_id, outcome.device_id, outcome.seq,
+                outcome.model, outcome.reason) == (
+            "result", result.request_id, result.device_id, result.seq, result.model, None)
+        assert (outcome.label, outcome.score) == (top["label"], top["score"])
+        assert (outcome.e2e_ms, outcome.queue_ms, outcome.infer_ms, outcome.batch_size,
+                outcome.clock_skew_ms) == (result.e2e_ms, result.queue_ms, result.infer_ms,
+                                           result.batch_size, result.clock_skew_ms)
+        assert outcome.ts >= result.ts and outcome.partition == PARTITION
 
 
 # -- acknowledgement -----------------------------------------------------------------------------

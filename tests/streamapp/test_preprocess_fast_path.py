@@ -1,0 +1,153 @@
+"""``ModelConfig.preprocess``'s quick path (``_quick_input``, a ``_TensorPlan`` per dtype)
+against its full checks: the same engine input (values, dtype, shape, read-only view or not),
+or the same error (reason and message), for every pre-processing a model may declare and
+tensors at and past every bound. ``filterwarnings = error`` makes a numpy overflow warning
+that a quiet conversion let through fail the test.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from streamapp.codecs import ALLOWED_DTYPES
+from streamapp.exceptions import InvalidRequestError
+from streamapp.models import ModelConfig, ModelRepository
+from streamapp.records import InferenceRequest, TensorPayload
+
+
+@pytest.fixture(scope="module")
+def digits() -> ModelConfig:
+    return ModelRepository().get("digits")
+
+
+def variants(digits: ModelConfig) -> Iterator[tuple[str, ModelConfig]]:
+    every = frozenset(ALLOWED_DTYPES)
+    base = dataclasses.replace(digits, request_dtypes=every)
+    changes: dict[str, dict[str, Any]] = {
+        "digits": {},
+        "no-range": {"value_range": None},
+        "allow-non-finite": {"allow_non_finite": True},
+        "allow-non-finite-no-range": {"allow_non_finite": True, "value_range": None},
+        "identity": {"scale": 1.0, "offset": 0.0},
+        "identity-no-range": {"scale": 1.0, "offset": 0.0, "value_range": None},
+        "offset": {"scale": 0.5, "offset": -3.0},
+        "scale-zero": {"scale": 0.0, "value_range": None},
+        "scale-huge": {"scale": 1e30, "value_range": None},
+        "float16-input": {"input_dtype": np.dtype("float16"), "value_range": None},
+        "float16-offset-1e6": {"input_dtype": np.dtype("float16"), "scale": 1.0,
+                               "offset": 1e6, "value_range": None},
+        "float64-input": {"input_dtype": np.dtype("float64")},
+        "negative-range": {"value_range": (-2.5, 2.5)},
+    }
+    for name, change in changes.items():
+        yield name, dataclasses.replace(base, **change)
+
+
+def tensors(dtype: str) -> Iterator[np.ndarray]:
+    dt = np.dtype(dtype)
+    ramp = (np.arange(64) % 17).astype(dt).reshape(8, 8)
+    yield ramp
+    yield np.zeros((8, 8), dt)
+    if dt.kind in "iu":
+        info = np.iinfo(dt)
+        for value in (info.max, info.min, 16, 17, -1 if info.min < 0 else 0, -3):
+            t = ramp.copy()
+            t[3, 5] = np.array(value).astype(dt)
+            yield t
+    else:
+        info_f = np.finfo(dt)
+        for value in (np.nan, np.inf, -np.inf, info_f.max, -info_f.max, 16.0, 16.0001, -0.0,
+                      -1e-30, 2.5, -2.5, -2.5001):
+            t = ramp.copy()
+            with np.errstate(over="ignore"):
+                t[3, 5] = dt.type(value)
+            yield t
+        yield np.full((8, 8), np.nan, dt)
+        yield (ramp / 16).astype(dt)
+
+
+def answer(config: ModelConfig, request: InferenceRequest) -> np.ndarray | tuple[str, str]:
+    try:
+        return config.preprocess(request)
+    except InvalidRequestError as exc:
+        return exc.reason, str(exc)
+
+
+def test_the_quick_path_answers_as_the_full_checks(
+    digits: ModelConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cases = [(name, config, tensor) for name, config in variants(digits)
+             for dtype in sorted(ALLOWED_DTYPES) for tensor in tensors(dtype)]
+    quick = [answer(config, _request(tensor)) for _, config, tensor in cases]
+    monkeypatch.setattr(ModelConfig, "_quick_input", lambda self, plan, data: None)
+    full = [answer(config, _request(tensor)) for _, config, tensor in cases]
+    taken = 0
+    for (name, config, tensor), got, want in zip(cases, quick, full, strict=True):
+        what = f"{name}: {tensor.dtype} holding {tensor[3, 5]!r}"
+        if isinstance(want, tuple):
+            assert got == want, what
+            continue
+        assert isinstance(got, np.ndarray), what
+        assert got.dtype == want.dtype and got.shape == want.shape == config.item_shape, what
+        assert got.flags.writeable == want.flags.writeable, what
+        np.testing.assert_array_equal(got, want, err_msg=what, strict=True)
+        assert np.array_equal(np.signbit(got), np.signbit(want)), what
+        taken += 1
+    assert taken > 100
+
+
+@pytest.mark.parametrize(("dtype", "pixels"), [
+    ("uint8", np.arange(64, dtype=np.uint8) % 17),
+    ("float32", (np.arange(64, dtype=np.float32) % 17) / 16),
+])
+def test_the_digits_workloads_take_the_quick_path(
+    digits: ModelConfig, dtype: str, pixels: np.ndarray
+) -> None:
+    plan = digits._tensor_plans[dtype]
+    assert plan.quiet and plan.kind in ("int", "float")
+    quick = digits._quick_input(plan, pixels.astype(dtype).tobytes())
+    assert quick is not None
+    np.testing.assert_array_equal(
+        quick, (pixels.astype(np.float32) * np.float32(0.0625)).reshape(1, 8, 8), strict=True)
+
+
+@pytest.mark.parametrize(("change", "dtype", "quiet"), [
+    ({}, "uint8", True),
+    ({}, "int64", True),
+    ({}, "float32", True),
+    ({}, "float16", True),
+    ({}, "float64", False),  # narrowed: 1e300 becomes inf
+    ({"scale": 1.0}, "float32", True),
+    ({"scale": 2.0}, "float32", False),  # float32's largest doubles to inf
+    ({"scale": 0.0}, "float32", False),  # inf * 0 is 'invalid'
+    ({"scale": 0.0}, "uint8", True),
+    ({"input_dtype": np.dtype("float16")}, "int16", False),  # 32767 > 65504 / 2
+    ({"input_dtype": np.dtype("float16")}, "uint8", True),
+    ({"input_dtype": np.dtype("float16"), "scale": 1.0, "offset": 1e6}, "uint8", False),
+    ({"input_dtype": np.dtype("int32"), "scale": 1.0}, "int32", True),  # the identity
+    ({"input_dtype": np.dtype("int32"), "scale": 1.0}, "uint8", False),
+])
+def test_which_conversions_are_quiet(
+    digits: ModelConfig, change: dict[str, Any], dtype: str, quiet: bool
+) -> None:
+    config = dataclasses.replace(digits, request_dtypes=frozenset([dtype]), **change)
+    assert config._tensor_plans[dtype].quiet is quiet
+
+
+def test_plans_follow_the_config_not_a_copy_of_it(digits: ModelConfig) -> None:
+    other = dataclasses.replace(digits, scale=1.0)
+    assert digits._tensor_plans["uint8"].scaled and not other._tensor_plans["uint8"].scaled
+    assert ModelConfig(**digits.__dict__) == digits  # plans are not fields
+
+
+def _request(tensor: np.ndarray) -> InferenceRequest:
+    little = tensor.astype(tensor.dtype.newbyteorder("<"))
+    return InferenceRequest(
+        request_id="r", device_id="d", seq=0, ts=1_796_000_000.0, model="digits",
+        tensor=TensorPayload(little.dtype.name, tuple(tensor.shape), little.tobytes()),
+    )
