@@ -100,5 +100,9 @@ def run_gpu_server(settings: Settings) -> int:
     sys.setswitchinterval(settings.gil_switch_interval_ms / 1000.0)
     path = server_socket(settings)
     models = load_local_models(settings)
+    if settings.gc_freeze:
+        from streamapp.runtime import freeze_heap
+
+        freeze_heap()
     asyncio.run(_serve(settings, models, path))
     return 0

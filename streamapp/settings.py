@@ -199,6 +199,14 @@ class Settings(BaseSettings):
         "small batch on the loop saves two GIL crossings (GPU backends only). 0: the waiter "
         "thread always.",
     )
+    gc_freeze: bool = Field(
+        True,
+        description="Once the models are loaded and warmed up, move every object alive to "
+        "the garbage collector's permanent generation (gc.freeze; Instagram's fix for "
+        "full collections that scan the start-up heap). With torch and Faust loaded a full "
+        "collection of that heap took about 40 ms on the 2-core machine, a pause every "
+        "few seconds under load that then queues requests (docs/performance.md).",
+    )
     gil_switch_interval_ms: float = Field(
         5.0, gt=0, le=100,
         description="CPython's thread switch interval in the worker and executor server "
