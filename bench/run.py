@@ -455,11 +455,20 @@ class Bench:
                 # At most about 600 MB through the disk-backed broker (5,000 tensors would
                 # be 1.5 GB: 45 s on the shared 2-core machine).
                 n = min(plan.transport_n, max(1_000, 600_000_000 // max(1, wl.payload_bytes)))
+                # BENCH_SKIP=anchor,exactly_once,policy: a shorter call for an A/B of the
+                # product's p99 (those parts do not feed it).
+                skip = set(os.environ.get("BENCH_SKIP", "").split(","))
                 out["transport"] = self.transport(replace(plan, transport_n=n), wl)
-                out["anchor"] = self.anchor(plan, wl, broker)
+                if "anchor" not in skip:
+                    out["anchor"] = self.anchor(plan, wl, broker)
                 if plan.workload in self.profile.kafka_product:
+                    if "policy" in skip:
+                        plan = replace(plan, policy_ab=False)
+                    if os.environ.get("BENCH_OL_S"):  # a longer open loop: a steadier p99
+                        plan = replace(plan, ol_s=float(os.environ["BENCH_OL_S"]))
                     self._kafka_product(plan, wl, out)
-                    out["exactly_once"] = self.exactly_once(plan, wl)
+                    if "exactly_once" not in skip:
+                        out["exactly_once"] = self.exactly_once(plan, wl)
             finally:
                 self._shared = None
         self._save()
