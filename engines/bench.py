@@ -312,7 +312,8 @@ async def _batched_mode(
                 if remaining <= 0:
                     break
                 try:
-                    batch.append(await asyncio.wait_for(requests.get(), remaining))
+                    async with asyncio.timeout(remaining):  # not wait_for (CPython gh-86296)
+                        batch.append(await requests.get())
                 except TimeoutError:
                     break
             sizes.append(len(batch))

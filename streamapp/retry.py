@@ -33,7 +33,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from streamapp.codecs import readable_fields
 from streamapp.exceptions import InvalidRequestError
-from streamapp.tasks import cancel_and_wait
+from streamapp.tasks import cancel_and_wait, wait_event
 
 __all__ = [
     "DelayScheduler",
@@ -330,10 +330,7 @@ class DelayScheduler:
             delay = due - self._clock()
             if delay > 0:
                 self._wakeup.clear()
-                try:
-                    await asyncio.wait_for(self._wakeup.wait(), timeout=delay)
-                except TimeoutError:
-                    pass
+                await wait_event(self._wakeup, delay)
                 continue
             _, _, item = heapq.heappop(self._heap)
             self._space.release()

@@ -207,10 +207,14 @@ class WorkerRuntime:
         if self._scheduler is not None:
             await self._scheduler.stop()
         try:
-            await asyncio.wait_for(pipeline.batcher.drain(), DRAIN_TIMEOUT_S)
+            # asyncio.timeout, not wait_for: a cancellation is never lost (tasks.wait_event)
+            async with asyncio.timeout(DRAIN_TIMEOUT_S):
+                await pipeline.batcher.drain()
             if self._host is not None:
-                await asyncio.wait_for(self._host.flush(), DRAIN_TIMEOUT_S)
-            await asyncio.wait_for(pipeline.wait_acknowledged(), DRAIN_TIMEOUT_S)
+                async with asyncio.timeout(DRAIN_TIMEOUT_S):
+                    await self._host.flush()
+            async with asyncio.timeout(DRAIN_TIMEOUT_S):
+                await pipeline.wait_acknowledged()
         except (TimeoutError, RuntimeError) as exc:
             log.warning("stopping with requests in flight (%s); they will be redelivered", exc)
         # device state of everything answered, and the acks it held back (before the commit)

@@ -57,6 +57,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from streamapp.tasks import wait_event
+
 __all__ = [
     "STATE_NAME",
     "ChildSpec",
@@ -482,8 +484,7 @@ class Supervisor:
                         "%.1f s (its workers' batches wait for it, gpu_server_wait_s)", spec.index,
                         describe_exit(rc), ran_s, server.restarts + 1, delay)
             self._write_state()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._servers_stop.wait(), timeout=delay)
+            await wait_event(self._servers_stop, delay)
             server.restarts += 1
         server.state = "stopped"
         return True
@@ -586,8 +587,7 @@ class Supervisor:
                 i, describe_exit(rc), ran_s, child.restarts + 1, delay,
             )
             self._write_state()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), timeout=delay)
+            await wait_event(self._stop, delay)
             if not self._stop.is_set():
                 child.restarts += 1
         child.state = "stopped" if clean else "failed"

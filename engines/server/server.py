@@ -170,8 +170,11 @@ class _ModelBatcher:
 
     async def _wait(self, timeout_s: float | None) -> None:
         self._arrived.clear()
+        # asyncio.timeout, not wait_for: on Python 3.11 wait_for can lose a cancellation that
+        # coincides with its timeout (CPython gh-86296), and this loop would never stop
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._arrived.wait(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await self._arrived.wait()
 
     async def _loop(self) -> None:
         while True:

@@ -77,7 +77,7 @@ from streamapp.record_batches import UndecodableBatchError, take_undecodable
 from streamapp.records import DeadLetter, InferenceRequest, InferenceResult
 from streamapp.retry import MemoryRetryStore, RetryRecord, RetryStore, backoff_s
 from streamapp.settings import Settings
-from streamapp.tasks import cancel_and_wait
+from streamapp.tasks import cancel_and_wait, wait_event
 
 __all__ = [
     "BatchSink", "InferencePipeline", "LoadedModel", "PipelineStats", "Sink", "SourceMessage",
@@ -431,10 +431,7 @@ class InferencePipeline:
         """Flush every ``state_flush_interval_ms``, or sooner when ``state_flush_max_records``
         acks are held (so that what a crash re-delivers stays bounded at any rate)."""
         while True:
-            try:
-                await asyncio.wait_for(self._flush_now.wait(), self._flush_interval_s)
-            except TimeoutError:
-                pass
+            await wait_event(self._flush_now, self._flush_interval_s)
             self._flush_now.clear()
             await self.flush_state()
 
