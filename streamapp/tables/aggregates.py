@@ -42,6 +42,7 @@ an EWMA that is negative is seeded again.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -96,7 +97,9 @@ class DeviceDelta:
         counts: Outcomes by kind.
         dead_letters_by_reason / retries_by_reason: Reason code → count.
         latencies: ``(e2e_ms, queue_ms, infer_ms)`` of each result, in order.
-        last_seq / last_result: From the newest finished request that had them.
+        last_seq: From the newest finished request that had one.
+        last_outcome: The newest result (:attr:`last_result` is made of it when it is read,
+            once per flush, rather than for every result).
         first_ts / last_ts: Epoch seconds of the first and last outcome.
         buckets: ``{(bucket size ms, bucket start ms): bucket row}``.
     """
@@ -111,10 +114,22 @@ class DeviceDelta:
     clock_skews: int = 0
     last_clock_skew: tuple[float, float] | None = None
     last_seq: int | None = None
-    last_result: dict[str, Any] | None = None
+    last_outcome: Outcome | None = None
     first_ts: float | None = None
     last_ts: float | None = None
     buckets: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def last_result(self) -> dict[str, Any] | None:
+        """The ``last_result`` of the stats row: the newest result, or None when none."""
+        outcome = self.last_outcome
+        if outcome is None:
+            return None
+        return {
+            "request_id": outcome.request_id, "seq": outcome.seq, "model": outcome.model,
+            "label": outcome.label, "score": outcome.score, "e2e_ms": outcome.e2e_ms,
+            "attempt": outcome.attempt, "ts": outcome.ts,
+        }
 
     def add(self, outcome: Outcome, plan: WindowPlan) -> None:
         """Count one outcome."""
@@ -133,18 +148,18 @@ class DeviceDelta:
             if outcome.clock_skew_ms is not None:
                 self.clock_skews += 1
                 self.last_clock_skew = (outcome.clock_skew_ms, outcome.ts)
-            self.last_result = {
-                "request_id": outcome.request_id, "seq": outcome.seq, "model": outcome.model,
-                "label": outcome.label, "score": outcome.score, "e2e_ms": outcome.e2e_ms,
-                "attempt": outcome.attempt, "ts": outcome.ts,
-            }
+            self.last_outcome = outcome
+        ts = outcome.ts
         if self.first_ts is None:
-            self.first_ts = outcome.ts
-        self.last_ts = outcome.ts
-        for size, start in plan.bucket_starts(outcome.ts).items():
-            bucket = self.buckets.get((size, start))
+            self.first_ts = ts
+        self.last_ts = ts
+        buckets = self.buckets
+        ms = math.floor(ts * 1000)  # WindowPlan.bucket_starts, inlined (once per outcome)
+        for size in plan.bucket_sizes_ms:
+            where = (size, (ms // size) * size)
+            bucket = buckets.get(where)
             if bucket is None:
-                bucket = self.buckets[(size, start)] = _empty_bucket()
+                bucket = buckets[where] = _empty_bucket()
             _add_to_bucket(bucket, outcome)
 
 
@@ -176,28 +191,41 @@ def _usable(ms: float | None) -> bool:
     return ms is not None and math.isfinite(ms) and ms >= 0.0
 
 
+_BUCKET_COUNTS = ("count", "results", "dead_letters", "retries", "skipped", "e2e_n")
+
+
 def merge_bucket(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> dict[str, Any]:
     """The sum of two bucket rows (counts and sums add, maxima take the larger; a
-    ``state_reset`` note of either is kept)."""
+    ``state_reset`` note of either is kept). A new row: neither argument is modified."""
     out = _empty_bucket()
+    labels: dict[str, int] = out["labels"]
     for row in (old, new):
         if not row:
             continue
-        if row.get("state_reset"):
-            out["state_reset"] = row["state_reset"]
-        for name in ("count", "results", "dead_letters", "retries", "skipped", "e2e_n"):
-            out[name] += int(row.get(name) or 0)
-        out["e2e_sum_ms"] += float(row.get("e2e_sum_ms") or 0.0)
-        top = row.get("e2e_max_ms")
+        get = row.get
+        reset = get("state_reset")
+        if reset:
+            out["state_reset"] = reset
+        for name in _BUCKET_COUNTS:
+            n = get(name)
+            if n:  # (a missing, null or 0 count adds nothing)
+                out[name] += int(n)
+        total = get("e2e_sum_ms")
+        if total:  # (adding 0.0 to the sum, which starts at +0.0, changes nothing)
+            out["e2e_sum_ms"] += float(total)
+        top = get("e2e_max_ms")
         if top is not None:
             out["e2e_max_ms"] = top if out["e2e_max_ms"] is None else max(out["e2e_max_ms"], top)
-        for label, n in (row.get("labels") or {}).items():
-            out["labels"][label] = out["labels"].get(label, 0) + int(n)
+        more = get("labels")
+        if more:
+            for label, n in more.items():
+                labels[label] = labels.get(label, 0) + int(n)
     return out
 
 
-def _add_counts(target: dict[str, int], more: Mapping[str, int]) -> dict[str, int]:
-    out = dict(target)
+def _add_counts(target: Mapping[str, int] | None, more: Mapping[str, int]) -> dict[str, int]:
+    """A new ``target + more`` by name (``target`` None: empty); neither is modified."""
+    out = dict(target) if target else {}
     for name, n in more.items():
         out[name] = out.get(name, 0) + n
     return out
@@ -222,60 +250,80 @@ def update_stats(
 
     Returns:
         ``(new row, expired buckets)``: the buckets ``(size ms, start ms)`` to delete from the
-        bucket table.
+        bucket table. Neither ``row`` nor ``delta`` is modified; the new row shares
+        ``last_result`` and ``state_reset`` with them (rows are never modified in place).
     """
     old: Mapping[str, Any] = row or {}
+    get = old.get
     counts = {k: 0 for k in _COUNT_KINDS}
-    counts.update(old.get("counts") or {})
-    counts = _add_counts(counts, delta.counts)
-    ewma = dict(old.get("latency_ewma_ms") or {name: None for name in _LATENCIES})
-    for values in delta.latencies:
-        for name, x in zip(_LATENCIES, values, strict=True):
-            if not _usable(x):
-                continue
-            assert x is not None
-            prev = ewma.get(name)
-            ewma[name] = alpha * x + (1.0 - alpha) * prev if _usable(prev) and prev is not None \
-                else x
+    stored_counts = get("counts")
+    if stored_counts:
+        counts.update(stored_counts)
+    for name, n in delta.counts.items():
+        counts[name] = counts.get(name, 0) + n
+    total = 0
+    for name in FINAL_KINDS:
+        total += counts.get(name, 0)
+    ewma = dict(get("latency_ewma_ms") or {name: None for name in _LATENCIES})
+    if delta.latencies:
+        # one latency at a time, each in the order of the outcomes: the same arithmetic as
+        # one outcome at a time (the three EWMAs are independent)
+        beta = 1.0 - alpha
+        isfinite = math.isfinite
+        for i, name in enumerate(_LATENCIES):
+            value: Any = ewma.get(name)
+            seeded = _usable(value)
+            changed = False
+            for values in delta.latencies:
+                x = values[i]
+                if x is None or not isfinite(x) or x < 0.0:  # not _usable(x)
+                    continue
+                value = alpha * x + beta * value if seeded else x
+                seeded = isfinite(value) and value >= 0.0
+                changed = True
+            if changed:
+                ewma[name] = value
     index: dict[str, list[int]] = {
-        str(size): list(starts) for size, starts in (old.get("_buckets") or {}).items()
+        str(size): list(starts) for size, starts in (get("_buckets") or {}).items()
     }
     for size, start in delta.buckets:
         starts = index.setdefault(str(size), [])
         if start not in starts:
             starts.append(start)
     expired: list[tuple[int, int]] = []
+    kept: dict[str, list[int]] = {}
+    limit_ms = math.floor(now_s * 1000) - plan.expires_ms  # WindowPlan.expired, inlined
     for size_text, starts in index.items():
         size = int(size_text)
-        keep = []
-        for start in sorted(starts):
-            (expired.append((size, start)) if plan.expired(size, start, now_s)
-             else keep.append(start))
-        index[size_text] = keep
+        starts.sort()
+        cut = bisect.bisect_right(starts, limit_ms - size)  # start + size <= limit: expired
+        if cut:
+            expired.extend((size, start) for start in starts[:cut])
+            del starts[:cut]
+        if starts:
+            kept[size_text] = starts
     new = {
         "device_id": delta.device_id,
-        "total": sum(counts.get(k, 0) for k in FINAL_KINDS),
+        "total": total,
         "counts": counts,
         "dead_letters_by_reason": _add_counts(
-            dict(old.get("dead_letters_by_reason") or {}), delta.dead_letters_by_reason
+            get("dead_letters_by_reason"), delta.dead_letters_by_reason
         ),
-        "retries_by_reason": _add_counts(
-            dict(old.get("retries_by_reason") or {}), delta.retries_by_reason
-        ),
-        "last_seq": delta.last_seq if delta.last_seq is not None else old.get("last_seq"),
-        "last_result": delta.last_result or old.get("last_result"),
+        "retries_by_reason": _add_counts(get("retries_by_reason"), delta.retries_by_reason),
+        "last_seq": delta.last_seq if delta.last_seq is not None else get("last_seq"),
+        "last_result": delta.last_result or get("last_result"),
         "latency_ewma_ms": {k: (None if v is None else round(v, 3)) for k, v in ewma.items()},
-        "clock_skew": _clock_skew(old.get("clock_skew"), delta),
-        "first_seen": (old["first_seen"] if old.get("first_seen") is not None
+        "clock_skew": _clock_skew(get("clock_skew"), delta),
+        "first_seen": (old["first_seen"] if get("first_seen") is not None
                        else delta.first_ts),
-        "last_seen": delta.last_ts if delta.last_ts is not None else old.get("last_seen"),
-        "_buckets": {size: starts for size, starts in index.items() if starts},
+        "last_seen": delta.last_ts if delta.last_ts is not None else get("last_seen"),
+        "_buckets": kept,
         # what the buckets were written with: a worker started with other window sizes
         # refuses to (streamapp.tables.stored_windows)
         "_windows": {"tumbling_ms": plan.tumbling_ms, "hopping_ms": plan.hopping_ms,
                      "step_ms": plan.step_ms},
     }
-    if old.get("state_reset"):
+    if get("state_reset"):
         new["state_reset"] = old["state_reset"]
     return new, expired
 

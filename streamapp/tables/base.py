@@ -35,6 +35,10 @@ class DeviceTables(Protocol):
 
     Writes must happen inside :meth:`writing` for the device the row belongs to: with Faust it
     selects the partition (RocksDB database and changelog partition) of the write.
+
+    Rows are shared with a decode cache (:class:`~streamapp.tables.rows.RowScreen`): a row
+    ``get_*``/``iter_stats`` return, and a row given to ``set_*``, must not be modified
+    afterwards; build a new one (as :mod:`streamapp.tables.aggregates` does).
     """
 
     def writing(self, device_key: bytes, event: Any) -> AbstractContextManager[None]:

@@ -42,7 +42,7 @@ from aiokafka.partitioner import DefaultPartitioner
 
 from streamapp.faust_compat import StandInEvent, event_context, screen_changelog
 from streamapp.settings import Settings
-from streamapp.tables.rows import RowScreen
+from streamapp.tables.rows import DEVICE_ROWS_CACHED, RowScreen
 from streamapp.tables.store_guard import StoreWriteGuard, TableWriteStatus
 
 __all__ = ["SEAL_KEY", "ChangelogSealer", "FaustDeviceTables", "define_tables"]
@@ -191,10 +191,11 @@ class FaustDeviceTables:
         self.guards: list[StoreWriteGuard] = []
         self._guarded = False
         #: Row readers of the two tables (:mod:`streamapp.tables.rows`): a restored record or
-        #: a stored row that cannot be read is logged, counted and reset, never raised.
+        #: a stored row that cannot be read is logged, counted and reset, never raised; rows
+        #: read back with the bytes this worker wrote are not decoded again (decode cache).
         self.screens = {
-            STATS_TABLE: RowScreen(STATS_TABLE, "stats"),
-            WINDOWS_TABLE: RowScreen(WINDOWS_TABLE, "bucket"),
+            STATS_TABLE: RowScreen(STATS_TABLE, "stats", cache_rows=DEVICE_ROWS_CACHED),
+            WINDOWS_TABLE: RowScreen(WINDOWS_TABLE, "bucket", cache_rows=DEVICE_ROWS_CACHED),
         }
         screen_changelog(stats, self.screens[STATS_TABLE])
         screen_changelog(windows, self.screens[WINDOWS_TABLE])
@@ -246,22 +247,25 @@ class FaustDeviceTables:
         return self.screens[STATS_TABLE].read(device_key, self.stats.get(device_key))
 
     def set_stats(self, device_key: bytes, row: dict[str, Any]) -> None:
-        self.stats[device_key] = _encode(row)
+        raw = self.stats[device_key] = _encode(row)
+        self.screens[STATS_TABLE].written(device_key, raw, row)
 
     def get_bucket(self, key: bytes) -> dict[str, Any] | None:
         return self.screens[WINDOWS_TABLE].read(key, self.windows.get(key))
 
     def set_bucket(self, key: bytes, row: dict[str, Any]) -> None:
-        self.windows[key] = _encode(row)
+        raw = self.windows[key] = _encode(row)
+        self.screens[WINDOWS_TABLE].written(key, raw, row)
 
     def delete_bucket(self, key: bytes) -> None:
+        self.screens[WINDOWS_TABLE].forget(key)
         if key in self.windows:
             del self.windows[key]
 
     def iter_stats(self) -> Iterator[tuple[bytes, dict[str, Any]]]:
         screen = self.screens[STATS_TABLE]
         for key, raw in self.stats.items():
-            row = screen.read(key, raw) if key != SEAL_KEY else None
+            row = screen.read(key, raw, remember=False) if key != SEAL_KEY else None
             if row is not None:
                 yield key, row
 
@@ -274,8 +278,12 @@ def _guard(table: Any) -> StoreWriteGuard:
     return StoreWriteGuard(store, table.name)
 
 
+#: ``json.dumps(row, separators=...)`` builds an encoder per call; this one is reused.
+_ENCODER = json.JSONEncoder(separators=(",", ":"))
+
+
 def _encode(row: dict[str, Any]) -> bytes:
-    return json.dumps(row, separators=(",", ":")).encode()
+    return _ENCODER.encode(row).encode()
 
 
 def define_tables(app: faust.App, settings: Settings) -> FaustDeviceTables:

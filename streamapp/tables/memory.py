@@ -7,7 +7,7 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-from streamapp.tables.rows import RowScreen
+from streamapp.tables.rows import DEVICE_ROWS_CACHED, RowScreen
 
 __all__ = ["MemoryDeviceTables"]
 
@@ -19,11 +19,15 @@ class MemoryDeviceTables:
     survive the changelog. ``writes`` and ``deletes`` count calls; ``written_by`` records the
     device key given to :meth:`writing` for every write, to check rows are written in their own
     device's context. Rows are read through the same :class:`~streamapp.tables.rows.RowScreen`
-    as the Faust tables (``screens``): bytes put in ``stats``/``buckets`` that are not a row
-    come back as the reset row.
+    as the Faust tables (``screens``), with the same decode cache: bytes put in
+    ``stats``/``buckets`` that are not a row come back as the reset row, and bytes put there
+    behind the cache's back are read as they are.
+
+    Args:
+        cache_rows: Bound of each table's decode cache in keys (0: none).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, cache_rows: int = DEVICE_ROWS_CACHED) -> None:
         self.stats: dict[bytes, bytes] = {}
         self.buckets: dict[bytes, bytes] = {}
         self.writes = 0
@@ -31,8 +35,10 @@ class MemoryDeviceTables:
         self.written_by: list[tuple[bytes | None, bytes]] = []
         self.flushes = 0
         self._current: bytes | None = None
-        self.screens = {"device_stats": RowScreen("device_stats", "stats"),
-                        "device_windows": RowScreen("device_windows", "bucket")}
+        self.screens = {
+            "device_stats": RowScreen("device_stats", "stats", cache_rows=cache_rows),
+            "device_windows": RowScreen("device_windows", "bucket", cache_rows=cache_rows),
+        }
 
     async def flushed(self) -> None:
         self.flushes += 1
@@ -50,22 +56,25 @@ class MemoryDeviceTables:
 
     def set_stats(self, device_key: bytes, row: dict[str, Any]) -> None:
         self._write(device_key)
-        self.stats[device_key] = json.dumps(row).encode()
+        raw = self.stats[device_key] = json.dumps(row).encode()
+        self.screens["device_stats"].written(device_key, raw, row)
 
     def get_bucket(self, key: bytes) -> dict[str, Any] | None:
         return self.screens["device_windows"].read(key, self.buckets.get(key))
 
     def set_bucket(self, key: bytes, row: dict[str, Any]) -> None:
         self._write(key)
-        self.buckets[key] = json.dumps(row).encode()
+        raw = self.buckets[key] = json.dumps(row).encode()
+        self.screens["device_windows"].written(key, raw, row)
 
     def delete_bucket(self, key: bytes) -> None:
         self.deletes += 1
+        self.screens["device_windows"].forget(key)
         self.buckets.pop(key, None)
 
     def iter_stats(self) -> Iterator[tuple[bytes, dict[str, Any]]]:
         for key, raw in list(self.stats.items()):
-            row = self.screens["device_stats"].read(key, raw)
+            row = self.screens["device_stats"].read(key, raw, remember=False)
             if row is not None:
                 yield key, row
 

@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -37,6 +38,7 @@ from streamapp.tables.aggregates import empty_stats
 from streamapp.tables.base import split_bucket_key
 
 __all__ = [
+    "DEVICE_ROWS_CACHED",
     "REJECT_REASONS",
     "RowKind",
     "RowScreen",
@@ -54,6 +56,17 @@ RowKind = Literal["stats", "bucket", "retry"]
 REJECT_REASONS = ("undecodable", "bad_shape", "no_key")
 #: Bad stored rows remembered (bounded, so a flood of bad rows cannot grow the memory).
 _REPORTED_MAX = 10_000
+#: Bound of each device table's decode cache (:class:`RowScreen`), in keys: the rows of about
+#: this many devices written or read last (a device's flush reads its stats row and one bucket
+#: per series). Memory, stored bytes plus decoded objects: a bucket ~1.5 KiB; a stats row
+#: ~2 KiB plus ~70 bytes per bucket start in its ``_buckets`` (up to 360 per series with the
+#: default windows: ~30 KiB). At most ~32 MiB for ``device_stats``, ~1.5 MiB for
+#: ``device_windows``. A worker writing more devices than this in turn misses the cache and
+#: decodes, as without it.
+DEVICE_ROWS_CACHED = 1024
+#: Ints the fast ``last_seq`` check accepts as they are (``float()`` of them does not overflow;
+#: larger ones go through :func:`check_stats_row`'s own test).
+_FLOAT_INT_MAX = 2**1023
 
 
 def _count(value: Any) -> bool:
@@ -84,12 +97,90 @@ def _first(*problems: str | None) -> str | None:
     return next((p for p in problems if p is not None), None)
 
 
+def _all_counts(values: dict[Any, Any]) -> bool:
+    for n in values.values():
+        if type(n) is not int or n < 0:
+            return False
+    return True
+
+
+def _stats_row_ok(row: Any) -> bool:
+    """Fast path of :func:`check_stats_row`: True only for rows it accepts (exact built-in
+    types, the common case); False means "ask :func:`check_stats_row`", which also says why.
+    Every condition here is at least as strict as the one it stands for there."""
+    if type(row) is not dict:
+        return False
+    get = row.get
+    total = get("total")
+    counts = get("counts")
+    if (type(total) is not int or total < 0 or type(counts) is not dict
+            or not _all_counts(counts)):
+        return False
+    buckets = get("_buckets")
+    if buckets is not None:
+        if type(buckets) is not dict:
+            return False
+        for size, starts in buckets.items():
+            if type(size) is not str or not size.isdigit() or type(starts) is not list:
+                return False
+            for start in starts:
+                if type(start) is not int:
+                    return False
+    windows = get("_windows")
+    if windows is not None:
+        if type(windows) is not dict:
+            return False
+        for name in ("tumbling_ms", "step_ms"):
+            size = windows.get(name)
+            if type(size) is not int or size <= 0:
+                return False
+    value = get("device_id")
+    if value is not None and type(value) is not str:
+        return False
+    for name in ("dead_letters_by_reason", "retries_by_reason"):
+        value = get(name)
+        if value is not None and (type(value) is not dict or not _all_counts(value)):
+            return False
+    value = get("last_seq")
+    if value is not None and not (
+            (type(value) is int and -_FLOAT_INT_MAX <= value <= _FLOAT_INT_MAX)
+            or (type(value) is float and value.is_integer())):
+        return False
+    ewma = get("latency_ewma_ms")
+    if ewma is not None:
+        if type(ewma) is not dict:
+            return False
+        for value in ewma.values():
+            if value is not None and type(value) is not float and type(value) is not int:
+                return False
+    skew = get("clock_skew")
+    if skew is not None:
+        if type(skew) is not dict:
+            return False
+        value = skew.get("count")
+        if value is not None and (type(value) is not int or value < 0):
+            return False
+    for name in ("first_seen", "last_seen"):
+        value = get(name)
+        if value is not None and type(value) is not float and type(value) is not int:
+            return False
+    for name in ("last_result", "state_reset"):
+        value = get(name)
+        if value is not None and type(value) is not dict:
+            return False
+    return True
+
+
 def check_stats_row(row: Any) -> str | None:
     """What is wrong with a ``device_stats`` row (the format in
     :mod:`streamapp.tables.aggregates`), or None when it can be served and updated.
 
     Required: ``total`` and ``counts`` (outcome → count); counts are ints >= 0.
     """
+    return None if _stats_row_ok(row) else _stats_row_problem(row)
+
+
+def _stats_row_problem(row: Any) -> str | None:
     if not isinstance(row, dict):
         return f"a JSON {type(row).__name__} is not a stats row (an object)"
     if not _count(row.get("total")):
@@ -126,15 +217,45 @@ def check_stats_row(row: Any) -> str | None:
     )
 
 
+_BUCKET_COUNTS = ("results", "dead_letters", "retries", "skipped", "e2e_n")
+
+
+def _bucket_row_ok(row: Any) -> bool:
+    """Fast path of :func:`check_bucket_row`, as :func:`_stats_row_ok` is of the stats check."""
+    if type(row) is not dict:
+        return False
+    get = row.get
+    value = get("count")
+    if type(value) is not int or value < 0:
+        return False
+    for name in _BUCKET_COUNTS:
+        value = get(name)
+        if value is not None and (type(value) is not int or value < 0):
+            return False
+    for name in ("e2e_sum_ms", "e2e_max_ms"):
+        value = get(name)
+        if value is not None and type(value) is not float and type(value) is not int:
+            return False
+    labels = get("labels")
+    if labels is not None and (type(labels) is not dict or not _all_counts(labels)):
+        return False
+    value = get("state_reset")
+    return value is None or type(value) is dict
+
+
 def check_bucket_row(row: Any) -> str | None:
     """What is wrong with a ``device_windows`` bucket row, or None. Required: ``count``."""
+    return None if _bucket_row_ok(row) else _bucket_row_problem(row)
+
+
+def _bucket_row_problem(row: Any) -> str | None:
     if not isinstance(row, dict):
         return f"a JSON {type(row).__name__} is not a window bucket (an object)"
     if not _count(row.get("count")):
         return f"count is {_short(row.get('count'))}, not an int >= 0"
     return _first(
         *(_optional(row, name, _count, "an int >= 0")
-          for name in ("results", "dead_letters", "retries", "skipped", "e2e_n")),
+          for name in _BUCKET_COUNTS),
         _optional(row, "e2e_sum_ms", _number, "a number"),
         _optional(row, "e2e_max_ms", _number, "a number"),
         _optional(row, "labels", _counts, "an object of ints >= 0"),
@@ -203,14 +324,27 @@ class RowScreen:
         table: The table's name (``device_stats`` ...), for logs and metrics.
         kind: The row format.
         clock: Epoch seconds (tests pass a fake).
+        cache_rows: Bound of the decode cache, in keys (0: none; the device tables use
+            :data:`DEVICE_ROWS_CACHED`). A flush reads back the rows the flush before wrote:
+            with the cache, bytes equal to those this screen last wrote or decoded for a key
+            answer the row it kept instead of being decoded and checked again, and anything
+            else (a restored changelog record, a reset, a row written by another worker
+            before a rebalance, a deleted row) is read as without it. Least recently used keys
+            leave first.
+
+    Raises:
+        ValueError: ``cache_rows`` < 0.
 
     Attributes:
         rejected: ``{(reason, source): rows}``; ``source`` is ``changelog`` (at restore) or
             ``store`` (read from the local store).
     """
 
-    def __init__(self, table: str, kind: RowKind, clock: Callable[[], float] = time.time
-                 ) -> None:
+    def __init__(self, table: str, kind: RowKind, clock: Callable[[], float] = time.time,
+                 *, cache_rows: int = 0) -> None:
+        if cache_rows < 0:
+            raise ValueError(f"cache_rows is {cache_rows}: give a number of rows >= 0 "
+                             "(0: no decode cache)")
         self.table = table
         self.kind = kind
         self.clock = clock
@@ -218,6 +352,17 @@ class RowScreen:
         #: key -> (bad stored bytes, the reset row answered for them), so that every read of
         #: one bad row logs once and answers the same ``at``
         self._reported: dict[bytes, tuple[bytes, dict[str, Any] | None]] = {}
+        self.cache_rows = cache_rows
+        #: The decode cache: key -> (stored bytes, the good row they decode to), least
+        #: recently used first, at most ``cache_rows`` keys. An entry is a pure function of
+        #: its bytes (``row == decode_row(raw)``), so it can only be used for the same bytes
+        #: and is never wrong, only unused, when the stored value changes behind it.
+        self._rows: OrderedDict[bytes, tuple[bytes, dict[str, Any]]] = OrderedDict()
+        #: the web API reads rows from its query thread while the event loop writes them
+        self._lock = threading.Lock()
+        self._check = _CHECKS[kind]
+        #: Reads answered from the decode cache (tests and benchmarks read it).
+        self.cache_hits = 0
 
     def changelog(self, topic: str, partition: int, offset: int, key: bytes | None,
                   value: bytes | None) -> Verdict:
@@ -248,13 +393,31 @@ class RowScreen:
         reset = self._reset_row(key, reason, detail, source)
         return Verdict("replace", None if reset is None else json.dumps(reset).encode())
 
-    def read(self, key: bytes, raw: bytes | None) -> dict[str, Any] | None:
+    def read(self, key: bytes, raw: bytes | None, *, remember: bool = True
+             ) -> dict[str, Any] | None:
         """The stored row of ``key``: None when there is none; the reset row (``retry``: None)
-        when the stored bytes cannot be read, logged once per key. Never raises."""
+        when the stored bytes cannot be read, logged once per key. Never raises.
+
+        With a decode cache (``cache_rows > 0``), bytes equal to those last decoded or written
+        for ``key`` answer the row decoded (or written) then, without decoding again: the
+        caller must not modify it (build a new row instead, as
+        :func:`~streamapp.tables.aggregates.update_stats` does). ``remember=False`` uses the
+        cache but adds nothing to it (a scan of every row would push out the rows a flush
+        needs).
+        """
         if raw is None:
             return None
+        if self.cache_rows:
+            with self._lock:
+                entry = self._rows.get(key)
+                if entry is not None and entry[0] == raw:  # equal bytes, not the same object
+                    self._rows.move_to_end(key)
+                    self.cache_hits += 1
+                    return entry[1]
         row, reason, detail = decode_row(raw, self.kind)
         if row is not None:
+            if remember and self.cache_rows:
+                self._remember(key, bytes(raw), row)
             return row
         reported = self._reported.get(key)
         if reported is not None and reported[0] == raw:  # the same bad row: the same reset
@@ -266,6 +429,40 @@ class RowScreen:
         if len(self._reported) < _REPORTED_MAX:
             self._reported[key] = (bytes(raw), reset)
         return reset
+
+    def written(self, key: bytes, raw: bytes, row: dict[str, Any]) -> None:
+        """Note that ``key``'s stored value is now ``raw``, the encoding of ``row``, so that the
+        next read of those bytes answers ``row`` without decoding them.
+
+        ``row`` must be what decoding ``raw`` gives (JSON types: str keys, lists, no tuples)
+        and is kept as it is: the caller must not modify it afterwards. A row this table's
+        check rejects is not kept (reading its bytes rejects it, as without a cache). Costs
+        the check, not a decode: O(fields of the row). No-op without a decode cache.
+        """
+        if not self.cache_rows:
+            return
+        if self._check(row) is None:
+            self._remember(key, bytes(raw), row)
+        else:
+            self.forget(key)
+
+    def forget(self, key: bytes) -> None:
+        """Drop ``key`` from the decode cache (its row was deleted): frees its memory."""
+        if self.cache_rows:
+            with self._lock:
+                self._rows.pop(key, None)
+
+    def cached_rows(self) -> int:
+        """Keys in the decode cache now (at most ``cache_rows``)."""
+        return len(self._rows)
+
+    def _remember(self, key: bytes, raw: bytes, row: dict[str, Any]) -> None:
+        with self._lock:
+            rows = self._rows
+            rows[key] = (raw, row)
+            rows.move_to_end(key)
+            while len(rows) > self.cache_rows:
+                rows.popitem(last=False)
 
     def _reject(self, reason: str, source: str) -> None:
         self.rejected[(reason, source)] += 1

@@ -56,7 +56,7 @@ buckets on disk (not served); windows use processing time only.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from streamapp.settings import Settings
@@ -92,6 +92,11 @@ class WindowPlan:
     hopping_ms: int
     step_ms: int
     expires_ms: int
+    #: :attr:`bucket_sizes_ms`, computed once (it is read for every outcome)
+    _sizes_ms: tuple[int, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_sizes_ms", tuple(sorted({self.tumbling_ms, self.step_ms})))
 
     @classmethod
     def from_settings(cls, settings: Settings) -> WindowPlan:
@@ -104,8 +109,8 @@ class WindowPlan:
 
     @property
     def bucket_sizes_ms(self) -> tuple[int, ...]:
-        """Sizes of the stored bucket series (one or two)."""
-        return tuple(sorted({self.tumbling_ms, self.step_ms}))
+        """Sizes of the stored bucket series (one or two), ascending, ms."""
+        return self._sizes_ms
 
     @staticmethod
     def bucket_start(ts_s: float, size_ms: int) -> int:
@@ -114,7 +119,8 @@ class WindowPlan:
 
     def bucket_starts(self, ts_s: float) -> dict[int, int]:
         """``{bucket size: bucket start}`` of every series for an outcome at ``ts_s``."""
-        return {size: self.bucket_start(ts_s, size) for size in self.bucket_sizes_ms}
+        ms = math.floor(ts_s * 1000)
+        return {size: (ms // size) * size for size in self._sizes_ms}
 
     def expired(self, size_ms: int, start_ms: int, now_s: float) -> bool:
         """True when the bucket ended more than ``expires_ms`` before ``now_s``."""
