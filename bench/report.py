@@ -579,7 +579,12 @@ def scaleout_targets(section: Mapping[str, Any]) -> list[dict[str, Any]]:
     engine = section.get("engine", {})
     for key, series in section.get("series", {}).items():
         rs = [r for r in rows.get(key, []) if r.get("results_per_s")]
-        if series["kind"] != "workers" or not rs:
+        if series["kind"] != "workers":
+            continue
+        if not rs:
+            if rows.get(key):
+                out.append({"name": f"{key}: every drain too short to time", "value": "-",
+                            "target": "a drain long enough to time (raise the profile's backlog_per_worker)", "ok": None})
             continue
         wl = series["workload"]
         mps = " MPS" if series.get("mps") else ""

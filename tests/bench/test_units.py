@@ -158,6 +158,21 @@ def test_scaleout_efficiency_and_targets() -> None:
     assert "efficiency" in text and "→ SHORT" in text
 
 
+def test_scaleout_targets_say_so_when_no_drain_could_be_timed() -> None:
+    """A fast machine drains the smoke profile's tiny backlogs too quickly to time: the targets
+    block still names the series and says why it has no value (CI, 2026-12-02)."""
+    section = {"plans": [], "engine": {}, "series": {"digits workers": {
+        "workload": "digits", "kind": "workers", "mps": False,
+        "points": [{**_point(n, None, 50.0), "too_short": True} for n in (1, 2)]}}}
+
+    targets = scaleout_targets(section)
+
+    assert [(t["name"], t["value"], t["ok"]) for t in targets] == [
+        ("digits workers: every drain too short to time", "-", None)]
+    text = "\n".join(format_scaleout(section))
+    assert "scale-out targets (issue 9" in text and "too short to time" in text
+
+
 def test_gpu_plan_fits_its_budget_and_cuts_the_least_important_last() -> None:
     logged: list[str] = []
     results: dict[str, Any] = {}
