@@ -35,6 +35,7 @@ from streamapp.faust_compat import (
     set_fetch_max_wait,
     set_producer_buffer_max,
     set_read_committed,
+    take_chunks,
     tolerate_stale_member_url,
 )
 from streamapp.kafka import resolve_broker_kind, ssl_context
@@ -306,8 +307,9 @@ def create_app(settings: Settings | None = None) -> faust.App:
             for event in events for m in (event.message,)
         ])
 
-    # Records reach the agents in chunks (Faust's take_events): at most ``max_batch_size``, or
-    # what arrived within ``intake_wait_ms``. Admission, decoding and queueing then run once
+    # Records reach the agents in chunks (take_chunks, like Faust's take_events but idle without
+    # records): at most ``max_batch_size``, or what arrived within ``intake_wait_ms`` of the
+    # chunk's first record. Admission, decoding and queueing then run once
     # per chunk instead of once per record (issue 17).
     chunk, within = conf.max_batch_size, conf.intake_wait_ms / 1000.0
 
@@ -317,7 +319,7 @@ def create_app(settings: Settings | None = None) -> faust.App:
         # result, retry record or dead letter (see streamapp.delivery).
         pipeline = await runtime.acquire(sink, retry_store, observers)
         try:
-            async for events in stream.noack().take_events(chunk, within):  # type: ignore[attr-defined]
+            async for events in take_chunks(stream.noack(), chunk, within):  # type: ignore[attr-defined]
                 await pipeline.handle_many(await admitted(events))
         finally:
             await runtime.release()
@@ -326,7 +328,7 @@ def create_app(settings: Settings | None = None) -> faust.App:
     async def retry(stream: faust.StreamT[bytes]) -> None:
         await runtime.acquire(sink, retry_store, observers)
         try:
-            async for events in stream.noack().take_events(chunk, within):  # type: ignore[attr-defined]
+            async for events in take_chunks(stream.noack(), chunk, within):  # type: ignore[attr-defined]
                 for message in await admitted(events):
                     await runtime.schedule_retry(message, retry_store)
         finally:
