@@ -25,6 +25,7 @@ from typing import Any
 
 import faust
 from aiokafka.errors import MessageSizeTooLargeError
+from aiokafka.partitioner import DefaultPartitioner, murmur2
 from faust.streams import _current_event
 from faust.types import TP
 
@@ -623,6 +624,11 @@ def track_metadata(client: Any, topics: Iterable[str]) -> None:
             client.add_topic(topic)
 
 
+#: Most keys whose murmur2 hash :class:`FaustSink` keeps (then it starts again): device ids
+#: repeat, request ids (the retry topic's keys) do not.
+_MAX_HASHED_KEYS = 65_536
+
+
 class FaustSink:
     """:class:`streamapp.agents.pipeline.BatchSink` over Faust topics (raw key and value bytes).
 
@@ -643,6 +649,7 @@ class FaustSink:
         self._topics = topics
         self._app = app
         self._tracked: Any = None  # the producer client whose metadata tracks our topics
+        self._hashes: dict[bytes, int] = {}  # key → murmur2 & 0x7FFFFFFF (send_many)
 
     async def send(self, topic: str, key: bytes | None, value: bytes) -> Awaitable[Any]:
         if self._app is not None:
@@ -677,6 +684,12 @@ class FaustSink:
         groups: dict[tuple[str, int], list[int]] = {}
         partitions: dict[str, tuple[list[int], list[int]]] = {}
         partitioner = producer._partitioner
+        # aiokafka's DefaultPartitioner hashes a key with murmur2 in Python (~8 µs for a
+        # device id): the hash of each key is kept (devices repeat), the partition is still
+        # the hash modulo the topic's current partition count.
+        hashes = self._hashes if isinstance(partitioner, DefaultPartitioner) else None
+        if hashes is not None and len(hashes) > _MAX_HASHED_KEYS:
+            hashes.clear()
         for i, (topic, key, _) in enumerate(records):
             known = partitions.get(topic)
             if known is None:
@@ -686,7 +699,13 @@ class FaustSink:
                     sorted(metadata.partitions_for_topic(topic)),
                     sorted(metadata.available_partitions_for_topic(topic)),
                 )
-            partition = partitioner(key, *known)
+            if hashes is not None and key is not None:
+                digest = hashes.get(key)
+                if digest is None:
+                    digest = hashes[key] = murmur2(key) & 0x7FFFFFFF
+                partition = known[0][digest % len(known[0])]
+            else:
+                partition = partitioner(key, *known)
             group = groups.get((topic, partition))
             if group is None:
                 groups[(topic, partition)] = [i]
