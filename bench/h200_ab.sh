@@ -4,7 +4,10 @@
 # host's drift (±20 % between calls) hits every variant alike, the yardstick measured first
 # and last. Run after `bash bench/run_h200.sh install` (.whl/ carried), with .kafka/ carried:
 #   run(command="bash bench/h200_ab.sh", carry=[".kafka"], timeout_s=600)
-# Variants: VARIANTS="name=KEY=VAL,KEY=VAL name2=..." (a bare name: the defaults). Writes under
+# Variants: VARIANTS="name=KEY=VAL,KEY=VAL name2=..." (a bare name: the defaults);
+# "name@DIR" runs the benchmark and the worker from the checkout in DIR instead, the code
+# before a change (e.g. `git archive OLD streamapp engines bench | tar -x -C .ab/before`,
+# git-ignored, carried): a before ÷ after in one call. Writes under
 # $OUT: env.txt, summary.txt (one line per run), all.tgz (each run's report, bench.json, logs).
 set -u
 OUT=${OUT:-/tmp/out}
@@ -33,6 +36,11 @@ one() {  # name rungs env-list
   grep -q -E "^  (yardstick|product):" "$W/$name.log" || tail -5 "$W/$name.log" | tee -a "$OUT/summary.txt"
 }
 one ys1 yardstick ""
-for v in $VARIANTS; do one "${v%%=*}" product "$( [ "$v" = "${v#*=}" ] || echo "${v#*=}")"; done
+for v in $VARIANTS; do
+  case $v in
+    *@*) (cd "${v#*@}" && one "${v%%@*}" product "") ;;  # python -m puts DIR first on sys.path
+    *) one "${v%%=*}" product "$( [ "$v" = "${v#*=}" ] || echo "${v#*=}")" ;;
+  esac
+done
 one ys2 yardstick ""
 tar czf "$OUT/all.tgz" -C "$W" . 2>/dev/null

@@ -12,7 +12,7 @@ import asyncio
 import json
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import faust
@@ -28,6 +28,7 @@ from streamapp.faust_compat import (
     event_context,
     group_metadata,
     guard_undecodable_batches,
+    install_direct_intake,
     make_producer_transactional,
     producer_client,
     recover_past_transaction_markers,
@@ -38,6 +39,7 @@ from streamapp.faust_compat import (
     take_chunks,
     tolerate_stale_member_url,
 )
+from streamapp.intake import IntakeBuffer
 from streamapp.kafka import resolve_broker_kind, ssl_context
 from streamapp.partitions import (
     RETRY_TABLE,
@@ -312,6 +314,26 @@ def create_app(settings: Settings | None = None) -> faust.App:
     # chunk's first record. Admission, decoding and queueing then run once
     # per chunk instead of once per record (issue 17).
     chunk, within = conf.max_batch_size, conf.intake_wait_ms / 1000.0
+    # intake=direct: Faust's fetcher hands each fetched partition's records to these buffers
+    # (streamapp/intake.py); the agents' streams then stay empty.
+    intake: dict[str, IntakeBuffer] = {}
+    if conf.intake == "direct":
+        limit = 2 * conf.max_batch_size * (conf.max_inflight_batches + 1)
+        intake = {conf.request_topic: IntakeBuffer(limit), conf.retry_topic: IntakeBuffer(limit)}
+        install_direct_intake(app, intake)
+
+        @app.on_partitions_revoked.connect  # type: ignore[arg-type]
+        async def drop_fetched(app_: Any, revoked: set[Any], **kwargs: Any) -> None:
+            for buffer in intake.values():  # their next owner reads them (Faust drops its
+                buffer.clear()              # streams' buffers on a rebalance too)
+
+    def chunks(stream: Any, topic: str) -> AsyncIterator[list[SourceMessage]]:
+        """The agent's admitted records, a chunk at a time, from either intake."""
+        if intake:
+            return _admitted_chunks(intake[topic].chunks(stream, chunk), lambda records:
+                                    delivery.admit_many([(r.topic, r.partition, r.offset, r.key,
+                                                          r.value, r) for r in records]))
+        return _admitted_chunks(take_chunks(stream.noack(), chunk, within), admitted)
 
     @app.agent(request_topic, name="inference")
     async def inference(stream: faust.StreamT[bytes]) -> None:
@@ -319,8 +341,8 @@ def create_app(settings: Settings | None = None) -> faust.App:
         # result, retry record or dead letter (see streamapp.delivery).
         pipeline = await runtime.acquire(sink, retry_store, observers)
         try:
-            async for events in take_chunks(stream.noack(), chunk, within):  # type: ignore[attr-defined]
-                await pipeline.handle_many(await admitted(events))
+            async for messages in chunks(stream, conf.request_topic):
+                await pipeline.handle_many(messages)
         finally:
             await runtime.release()
 
@@ -328,13 +350,20 @@ def create_app(settings: Settings | None = None) -> faust.App:
     async def retry(stream: faust.StreamT[bytes]) -> None:
         await runtime.acquire(sink, retry_store, observers)
         try:
-            async for events in take_chunks(stream.noack(), chunk, within):  # type: ignore[attr-defined]
-                for message in await admitted(events):
+            async for messages in chunks(stream, conf.retry_topic):
+                for message in messages:
                     await runtime.schedule_retry(message, retry_store)
         finally:
             await runtime.release()
 
     return app
+
+
+async def _admitted_chunks(
+    chunks: AsyncIterator[Any], admit: Callable[[Any], Awaitable[list[SourceMessage]]]
+) -> AsyncIterator[list[SourceMessage]]:
+    async for chunk in chunks:
+        yield await admit(chunk)
 
 
 def __getattr__(name: str) -> Any:

@@ -29,6 +29,7 @@ from aiokafka.partitioner import DefaultPartitioner, murmur2
 from faust.streams import _current_event
 from faust.types import TP
 
+from streamapp.intake import DirectRecord, IntakeBuffer, direct_records
 from streamapp.kafka import kafka_security_options, read_partition_range
 from streamapp.record_batches import guard_record_batches, is_skipped_stand_in
 from streamapp.settings import Settings
@@ -43,6 +44,7 @@ __all__ = [
     "event_context",
     "group_metadata",
     "guard_undecodable_batches",
+    "install_direct_intake",
     "make_producer_transactional",
     "make_worker",
     "partition_marks",
@@ -439,6 +441,116 @@ def tolerate_stale_member_url(app: Any) -> None:
     assignor.on_assignment = checked_on_assignment
 
 
+def install_direct_intake(app: Any, buffers: Mapping[str, IntakeBuffer]) -> None:
+    """Make Faust's fetcher hand the records of ``buffers``' topics to those buffers, one list
+    per fetched partition (:mod:`streamapp.intake`), instead of one event per record through
+    the conductor and the agents' streams; records of every other topic take Faust's path.
+
+    Faust 0.15.3's ``Consumer._drain_messages`` (the fetcher's loop: ``getmany`` and a
+    ``wait_first(callback(message), suspend_flow.wait())`` per record) has no hook for this:
+    the class method is replaced, once per process, by one that runs Faust's own loop for any
+    app without buffers (several apps share a test process) and :func:`_drain_direct` for an
+    app with them.
+    """
+    app.streamapp_intake = dict(buffers)
+    from faust.transport.consumer import Consumer
+
+    if getattr(Consumer._drain_messages, "streamapp_direct", False):
+        return
+    faust_drain = Consumer._drain_messages
+
+    async def drain(self: Any, fetcher: Any) -> None:
+        intake = getattr(self.app, "streamapp_intake", None)
+        if not intake:
+            await faust_drain(self, fetcher)
+        else:
+            await _drain_direct(self, fetcher, intake)
+
+    drain.streamapp_direct = True  # type: ignore[attr-defined]
+    Consumer._drain_messages = drain  # type: ignore[method-assign]
+
+
+async def _drain_direct(consumer: Any, fetcher: Any, intake: Mapping[str, IntakeBuffer]) -> None:
+    """Faust's drain loop (``Consumer._drain_messages`` and ``getmany`` of faust-streaming
+    0.15.3, same checks in the same order) with the records of ``intake``'s topics handed over
+    a partition at a time. Not for topics with acks enabled (Faust's gap bookkeeping is per
+    record; our source topics have acks off: :mod:`streamapp.delivery` commits them)."""
+    from faust.transport.consumer import CONSUMER_FETCHING
+
+    app = consumer.app
+    callback = consumer.callback
+    read_offset = consumer._read_offset
+    stopped, fetcher_stopped = consumer._stopped.is_set, fetcher._stopped.is_set
+    flow_control, producer_buffer = app.flow_control, app.producer.buffer
+    to_message, monitor = consumer._to_message, app.monitor
+    commit_every = consumer._commit_every
+    acks_enabled_for = app.topics.acks_enabled_for
+
+    async def hand_over(buffer: IntakeBuffer, records: list[DirectRecord]) -> None:
+        await flow_control.acquire()  # the conductor's per-record waits, once per list
+        await producer_buffer.wait_until_ebb()
+        await buffer.put(records)
+
+    try:
+        while not (stopped() or fetcher_stopped()):
+            consumer.diag.set_flag(CONSUMER_FETCHING)
+            records, active = await consumer._wait_next_records(1.0)
+            await consumer.sleep(0)
+            if records is None or consumer.should_stop:
+                continue
+            if not consumer.flow_active:
+                try:
+                    await consumer.perform_seek()
+                except Exception as exc:
+                    log.warning("exception performing seek when flow not active %s", exc)
+                continue
+            generation = app.consumer_generation_id
+            for tp, fetched in records.items():
+                if not consumer.flow_active or app.consumer_generation_id != generation:
+                    break
+                if not (active is None or tp in active or tp in consumer._buffered_partitions):
+                    continue
+                monitor.track_tp_end_offset(tp, consumer.highwater(tp))
+                last = read_offset[tp]
+                fresh = fetched if last is None else [r for r in fetched if r.offset >= last]
+                if not fresh:
+                    continue
+                buffer = intake.get(tp.topic)
+                if buffer is not None and not acks_enabled_for(tp.topic):
+                    await consumer.wait_first(
+                        hand_over(buffer, direct_records(tp.topic, tp.partition, fresh)),
+                        consumer.suspend_flow.wait(),
+                    )
+                    read_offset[tp] = fresh[-1].offset
+                    continue
+                for record in fresh:  # Faust's own path for every other topic
+                    message = to_message(tp, record)
+                    r_offset = read_offset[tp]
+                    if r_offset is not None and message.offset < r_offset:
+                        continue
+                    gap = message.offset - (r_offset or 0)
+                    if gap > 1 and r_offset and acks_enabled_for(message.topic):
+                        await consumer._add_gap(tp, r_offset + 1, message.offset)
+                    if commit_every is not None and consumer._n_acked >= commit_every:
+                        consumer._n_acked = 0
+                        await consumer.commit()
+                    await consumer.wait_first(callback(message), consumer.suspend_flow.wait())
+                    read_offset[tp] = message.offset
+            consumer.diag.unset_flag(CONSUMER_FETCHING)
+    except consumer.consumer_stopped_errors:
+        if app.should_stop:
+            log.info("Broker stopped consumer, shutting down...")
+            return
+        raise
+    except asyncio.CancelledError:
+        if app.should_stop:
+            log.info("Consumer shutting down for user cancel.")
+            return
+        raise
+    finally:
+        consumer.diag.unset_flag(CONSUMER_FETCHING)
+
+
 def guard_undecodable_batches(source_topics: Iterable[str]) -> None:
     """Make record batches the consumer cannot decode harmless (:mod:`streamapp.record_batches`):
     those of ``source_topics`` (request and retry) become dead letters, those of the tables'
@@ -571,6 +683,9 @@ class FaustConsumer:
         channels = getattr(app.topics, "_topic_name_index", None)
         if channels is None:
             return False  # cannot tell: never read what may still arrive
+        intake = getattr(app, "streamapp_intake", None) or {}
+        if topic in intake and not intake[topic].empty():  # direct intake (streamapp.intake)
+            return False
         return all(channel.queue.empty() for channel in channels.get(topic, ()))
 
     async def read_range(

@@ -39,6 +39,7 @@ Codec = Literal["json", "msgpack"]
 Backend = str
 ImageDecode = Literal["auto", "cpu"]
 GpuExecutor = Literal["inprocess", "shared"]
+Intake = Literal["faust", "direct"]
 BrokerKind = Literal["auto", "kafka", "embedded"]
 SecurityProtocol = Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]
 SaslMechanism = Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"]
@@ -147,6 +148,13 @@ class Settings(BaseSettings):
         "without a rebalance. Empty: dynamic membership.",
     )
     producer_linger_ms: float = Field(1.0, ge=0, description="Producer batching delay.")
+    intake: Intake = Field(
+        "faust",
+        description="How fetched requests reach the agents: 'faust' (one Faust event per "
+        "record, chunked by take_chunks within intake_wait_ms) or 'direct' (each fetched "
+        "partition's records handed over as one list from Faust's fetcher, no intake window; "
+        "streamapp/intake.py).",
+    )
     intake_wait_ms: float = Field(
         2.0, gt=0,
         description="Longest the agents wait for more records before handling what they read "
