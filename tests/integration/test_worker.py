@@ -38,7 +38,11 @@ def _until(n: int) -> object:
     return lambda o: len(o.results) + len(o.dead_letters) >= n
 
 
-@pytest.mark.parametrize("codec", ["json", "msgpack"])
+@pytest.mark.parametrize(
+    ("codec", "worker_options"),
+    [("json", {}), ("msgpack", {}), ("msgpack", {"intake": "faust"})],
+    ids=["json", "msgpack", "msgpack-faust-intake"],  # intake=direct is the default
+)
 async def test_500_frames_from_8_devices_are_answered_in_device_order(
     kafka_broker: EmbeddedBroker,
     worker: WorkerProcess,
