@@ -478,19 +478,7 @@ async def _drain_direct(consumer: Any, fetcher: Any, intake: Mapping[str, Intake
     from faust.transport.consumer import CONSUMER_FETCHING
 
     app = consumer.app
-    callback = consumer.callback
-    read_offset = consumer._read_offset
     stopped, fetcher_stopped = consumer._stopped.is_set, fetcher._stopped.is_set
-    flow_control, producer_buffer = app.flow_control, app.producer.buffer
-    to_message, monitor = consumer._to_message, app.monitor
-    commit_every = consumer._commit_every
-    acks_enabled_for = app.topics.acks_enabled_for
-
-    async def hand_over(buffer: IntakeBuffer, records: list[DirectRecord]) -> None:
-        await flow_control.acquire()  # the conductor's per-record waits, once per list
-        await producer_buffer.wait_until_ebb()
-        await buffer.put(records)
-
     try:
         while not (stopped() or fetcher_stopped()):
             consumer.diag.set_flag(CONSUMER_FETCHING)
@@ -505,37 +493,17 @@ async def _drain_direct(consumer: Any, fetcher: Any, intake: Mapping[str, Intake
                     log.warning("exception performing seek when flow not active %s", exc)
                 continue
             generation = app.consumer_generation_id
-            for tp, fetched in records.items():
-                if not consumer.flow_active or app.consumer_generation_id != generation:
-                    break
-                if not (active is None or tp in active or tp in consumer._buffered_partitions):
-                    continue
-                monitor.track_tp_end_offset(tp, consumer.highwater(tp))
-                last = read_offset[tp]
-                fresh = fetched if last is None else [r for r in fetched if r.offset >= last]
-                if not fresh:
-                    continue
-                buffer = intake.get(tp.topic)
-                if buffer is not None and not acks_enabled_for(tp.topic):
-                    await consumer.wait_first(
-                        hand_over(buffer, direct_records(tp.topic, tp.partition, fresh)),
-                        consumer.suspend_flow.wait(),
-                    )
-                    read_offset[tp] = fresh[-1].offset
-                    continue
-                for record in fresh:  # Faust's own path for every other topic
-                    message = to_message(tp, record)
-                    r_offset = read_offset[tp]
-                    if r_offset is not None and message.offset < r_offset:
-                        continue
-                    gap = message.offset - (r_offset or 0)
-                    if gap > 1 and r_offset and acks_enabled_for(message.topic):
-                        await consumer._add_gap(tp, r_offset + 1, message.offset)
-                    if commit_every is not None and consumer._n_acked >= commit_every:
-                        consumer._n_acked = 0
-                        await consumer.commit()
-                    await consumer.wait_first(callback(message), consumer.suspend_flow.wait())
-                    read_offset[tp] = message.offset
+            # Fetched and not handed over yet: counted as waiting, so that the gap sweeper does
+            # not take them for skipped records (FaustConsumer.settled) while a put waits.
+            unheld = {tp: (intake[tp.topic], len(fetched)) for tp, fetched in records.items()
+                      if tp.topic in intake}
+            for buffer, n in unheld.values():
+                buffer.waiting += n
+            try:
+                await _hand_over_fetched(consumer, records, active, generation, intake, unheld)
+            finally:
+                for buffer, n in unheld.values():
+                    buffer.waiting -= n
             consumer.diag.unset_flag(CONSUMER_FETCHING)
     except consumer.consumer_stopped_errors:
         if app.should_stop:
@@ -549,6 +517,60 @@ async def _drain_direct(consumer: Any, fetcher: Any, intake: Mapping[str, Intake
         raise
     finally:
         consumer.diag.unset_flag(CONSUMER_FETCHING)
+
+
+async def _hand_over_fetched(
+    consumer: Any, records: Mapping[Any, list[Any]], active: Any, generation: int,
+    intake: Mapping[str, IntakeBuffer], unheld: dict[Any, tuple[IntakeBuffer, int]],
+) -> None:
+    """One fetch's records: each partition's of ``intake``'s topics to its buffer as one list,
+    every other record through Faust's conductor (Faust's per-record path)."""
+    app = consumer.app
+    read_offset = consumer._read_offset
+    callback, to_message, monitor = consumer.callback, consumer._to_message, app.monitor
+    commit_every = consumer._commit_every
+    acks_enabled_for = app.topics.acks_enabled_for
+    flow_control, producer_buffer = app.flow_control, app.producer.buffer
+
+    async def hand_over(buffer: IntakeBuffer, records: list[DirectRecord]) -> None:
+        await flow_control.acquire()  # the conductor's per-record waits, once per list
+        await producer_buffer.wait_until_ebb()
+        await buffer.put(records)
+
+    for tp, fetched in records.items():
+        held = unheld.pop(tp, None)  # from here on counted by the put, or dropped
+        if held is not None:
+            held[0].waiting -= held[1]
+        if not consumer.flow_active or app.consumer_generation_id != generation:
+            break
+        if not (active is None or tp in active or tp in consumer._buffered_partitions):
+            continue
+        monitor.track_tp_end_offset(tp, consumer.highwater(tp))
+        last = read_offset[tp]
+        fresh = fetched if last is None else [r for r in fetched if r.offset >= last]
+        if not fresh:
+            continue
+        buffer = intake.get(tp.topic)
+        if buffer is not None and not acks_enabled_for(tp.topic):
+            await consumer.wait_first(
+                hand_over(buffer, direct_records(tp.topic, tp.partition, fresh)),
+                consumer.suspend_flow.wait(),
+            )
+            read_offset[tp] = fresh[-1].offset
+            continue
+        for record in fresh:  # Faust's own path for every other topic
+            message = to_message(tp, record)
+            r_offset = read_offset[tp]
+            if r_offset is not None and message.offset < r_offset:
+                continue
+            gap = message.offset - (r_offset or 0)
+            if gap > 1 and r_offset and acks_enabled_for(message.topic):
+                await consumer._add_gap(tp, r_offset + 1, message.offset)
+            if commit_every is not None and consumer._n_acked >= commit_every:
+                consumer._n_acked = 0
+                await consumer.commit()
+            await consumer.wait_first(callback(message), consumer.suspend_flow.wait())
+            read_offset[tp] = message.offset
 
 
 def guard_undecodable_batches(source_topics: Iterable[str]) -> None:
