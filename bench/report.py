@@ -584,7 +584,8 @@ def scaleout_targets(section: Mapping[str, Any]) -> list[dict[str, Any]]:
         if not rs:
             if rows.get(key):
                 out.append({"name": f"{key}: every drain too short to time", "value": "-",
-                            "target": "a drain long enough to time (raise the profile's backlog_per_worker)", "ok": None})
+                            "target": "a drain long enough to time (raise the profile's "
+                                      "backlog_per_worker)", "ok": None})
             continue
         wl = series["workload"]
         mps = " MPS" if series.get("mps") else ""

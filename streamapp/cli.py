@@ -206,6 +206,7 @@ def worker(
         "--reset-data-dir", help="Start afresh when the data dir holds the tables of another "
         "cluster or app: drop them (this cluster's are restored from its changelogs).")]
     = False,
+    intake: Annotated[Optional[str], typer.Option(help=_setting("intake"))] = None,
     gpu_executor: Annotated[Optional[str], typer.Option(
         help="'inprocess' (default: each worker loads its engines) or 'shared' (one executor "
         "server per GPU merges every worker's batches; with --processes it is started per "
@@ -233,7 +234,7 @@ def worker(
         max_batch_size=max_batch_size, max_batch_delay_ms=max_batch_delay_ms,
         max_inflight_batches=max_inflight_batches, topic_prefix=topic_prefix,
         topic_partitions=topic_partitions, web_port=web_port, web_bind=web_bind,
-        data_dir=data_dir, log_level=log_level, gpu_executor=gpu_executor,
+        data_dir=data_dir, log_level=log_level, gpu_executor=gpu_executor, intake=intake,
     )
     aiokafka_level = _quiet_kafka_client()
     bootstrap = broker or ""

@@ -65,7 +65,8 @@ def startup_block(settings: Settings, models: Mapping[str, Any]) -> str:
         f"streamapp worker of group {s.app_id!r} ({s.topic_partitions} partitions per topic)",
         f"  web      {web} (bound to {s.web_bind}; /ready, /metrics, /devices/{{id}}{token})",
         f"  broker   {s.broker} ({s.broker_kind}{login})",
-        f"  reads    {s.request_topic}, {s.retry_topic}",
+        f"  reads    {s.request_topic}, {s.retry_topic} (intake {s.intake}; "
+        f"batches of {s.max_batch_size} or {s.max_batch_delay_ms:g} ms)",
         f"  writes   {s.result_topic}, {s.dlq_topic}",
         f"  delivery {s.processing_guarantee} (processing_guarantee; docs/delivery.md)",
     ]
