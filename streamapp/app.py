@@ -12,7 +12,7 @@ import asyncio
 import json
 import logging
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import faust
@@ -36,7 +36,6 @@ from streamapp.faust_compat import (
     set_fetch_max_wait,
     set_producer_buffer_max,
     set_read_committed,
-    take_chunks,
     tolerate_stale_member_url,
 )
 from streamapp.intake import IntakeBuffer
@@ -301,6 +300,11 @@ def create_app(settings: Settings | None = None) -> faust.App:
     async def on_revoked(app_: Any, revoked: set[Any], **kwargs: Any) -> None:
         await delivery.on_revoked({(tp.topic, tp.partition) for tp in revoked})
 
+    async def admitted_direct(records: Sequence[Any]) -> list[SourceMessage]:
+        """The records to process for a chunk of the direct intake (streamapp.intake)."""
+        return await delivery.admit_many([
+            (r.topic, r.partition, r.offset, r.key, r.value, r) for r in records])
+
     async def admitted(events: Sequence[Any]) -> list[SourceMessage]:
         """The records to process for these events, in read order (more than one per event
         after a consumer gap)."""
@@ -309,10 +313,10 @@ def create_app(settings: Settings | None = None) -> faust.App:
             for event in events for m in (event.message,)
         ])
 
-    # Records reach the agents in chunks (take_chunks, like Faust's take_events but idle without
-    # records): at most ``max_batch_size``, or what arrived within ``intake_wait_ms`` of the
-    # chunk's first record. Admission, decoding and queueing then run once
-    # per chunk instead of once per record (issue 17).
+    # Records reach the agents in chunks (intake=faust: Faust's take_events, at most
+    # ``max_batch_size`` or what arrived within ``intake_wait_ms``; intake=direct: one fetched
+    # partition's records at a time, see streamapp/intake.py). Admission, decoding and
+    # queueing then run once per chunk instead of once per record (issue 17).
     chunk, within = conf.max_batch_size, conf.intake_wait_ms / 1000.0
     # intake=direct: Faust's fetcher hands each fetched partition's records to these buffers
     # (streamapp/intake.py); the agents' streams then stay empty.
@@ -327,22 +331,18 @@ def create_app(settings: Settings | None = None) -> faust.App:
             for buffer in intake.values():  # their next owner reads them (Faust drops its
                 buffer.clear()              # streams' buffers on a rebalance too)
 
-    def chunks(stream: Any, topic: str) -> AsyncIterator[list[SourceMessage]]:
-        """The agent's admitted records, a chunk at a time, from either intake."""
-        if intake:
-            return _admitted_chunks(intake[topic].chunks(stream, chunk), lambda records:
-                                    delivery.admit_many([(r.topic, r.partition, r.offset, r.key,
-                                                          r.value, r) for r in records]))
-        return _admitted_chunks(take_chunks(stream.noack(), chunk, within), admitted)
-
     @app.agent(request_topic, name="inference")
     async def inference(stream: faust.StreamT[bytes]) -> None:
         # noack + acks=False: a record counts as finished only when the broker acknowledged its
         # result, retry record or dead letter (see streamapp.delivery).
         pipeline = await runtime.acquire(sink, retry_store, observers)
         try:
-            async for messages in chunks(stream, conf.request_topic):
-                await pipeline.handle_many(messages)
+            if intake:
+                async for records in intake[conf.request_topic].chunks(stream, chunk):
+                    await pipeline.handle_many(await admitted_direct(records))
+            else:
+                async for events in stream.noack().take_events(chunk, within):  # type: ignore[attr-defined]
+                    await pipeline.handle_many(await admitted(events))
         finally:
             await runtime.release()
 
@@ -350,20 +350,18 @@ def create_app(settings: Settings | None = None) -> faust.App:
     async def retry(stream: faust.StreamT[bytes]) -> None:
         await runtime.acquire(sink, retry_store, observers)
         try:
-            async for messages in chunks(stream, conf.retry_topic):
-                for message in messages:
-                    await runtime.schedule_retry(message, retry_store)
+            if intake:
+                async for records in intake[conf.retry_topic].chunks(stream, chunk):
+                    for message in await admitted_direct(records):
+                        await runtime.schedule_retry(message, retry_store)
+            else:
+                async for events in stream.noack().take_events(chunk, within):  # type: ignore[attr-defined]
+                    for message in await admitted(events):
+                        await runtime.schedule_retry(message, retry_store)
         finally:
             await runtime.release()
 
     return app
-
-
-async def _admitted_chunks(
-    chunks: AsyncIterator[Any], admit: Callable[[Any], Awaitable[list[SourceMessage]]]
-) -> AsyncIterator[list[SourceMessage]]:
-    async for chunk in chunks:
-        yield await admit(chunk)
 
 
 def __getattr__(name: str) -> Any:

@@ -11,7 +11,6 @@ import contextlib
 import logging
 import weakref
 from collections.abc import (
-    AsyncIterator,
     Awaitable,
     Callable,
     Iterable,
@@ -25,7 +24,6 @@ from typing import Any
 
 import faust
 from aiokafka.errors import MessageSizeTooLargeError
-from aiokafka.partitioner import DefaultPartitioner, murmur2
 from faust.streams import _current_event
 from faust.types import TP
 
@@ -55,7 +53,6 @@ __all__ = [
     "set_fetch_max_wait",
     "set_producer_buffer_max",
     "set_read_committed",
-    "take_chunks",
     "tolerate_stale_member_url",
 ]
 
@@ -75,83 +72,6 @@ def event_context(event: Any) -> Iterator[None]:
         yield
     finally:
         _current_event.reset(token)
-
-
-async def take_chunks(stream: Any, max_: int, within_s: float) -> AsyncIterator[list[Any]]:
-    """The events of ``stream`` in chunks: a chunk closes when it holds ``max_`` events or
-    ``within_s`` seconds after its first event arrived; each event is acked (``stream.ack``)
-    once the caller has taken the next chunk or stopped.
-
-    Faust's ``Stream.take_events(max_, within)`` differs in one way that costs CPU: its timer
-    is a period, not a window after the first event: every ``within`` it wakes up, makes two
-    tasks (``Service.wait_for_stopped``) and, without events, goes back to sleep. With the
-    worker's 2 ms ``intake_wait_ms`` each idle agent woke 500 times a second: an idle worker
-    (two agents) used about 20 % of a core on the 2-core machine (py-spy, 2026-12-03), the
-    ``retry`` agent never stopped doing so under load, and at a moderate rate chunks were
-    cut every 2 ms into a few records each. Here an agent without events sleeps until one
-    arrives. The filling is Faust's: a processor on the stream, drained in the background
-    (``Stream._enable_passive``, as ``take_events`` does), which waits while a full chunk or a
-    chunk being handled is not taken yet (Faust's own back pressure then pauses the fetch).
-
-    Args:
-        stream: A Faust stream (a ``noack()`` one: the events are acked here, after use).
-        max_: Most events per chunk (≥ 1).
-        within_s: Longest a chunk waits for more events after its first one (seconds).
-
-    Yields:
-        Lists of 1 … ``max_`` Faust events, in arrival order.
-    """
-    events: list[Any] = []
-    nonempty, full, taken = asyncio.Event(), asyncio.Event(), asyncio.Event()
-    taken.set()
-    loop = asyncio.get_running_loop()
-    consuming: asyncio.Future[None] | None = None
-
-    async def add(value: Any) -> Any:
-        nonlocal consuming
-        if consuming is not None:  # the chunk before is being handled: wait until it is done
-            await consuming
-        event = stream.current_event
-        if event is None:
-            raise RuntimeError("a take_chunks buffer found no current event")
-        events.append(event)
-        if len(events) == 1:
-            nonempty.set()
-        if len(events) >= max_:
-            full.set()
-            taken.clear()
-            await stream.wait(taken)  # a chunk never holds more than max_ events
-        return value
-
-    acks = stream.enable_acks
-    stream.enable_acks = False
-    stream.add_processor(add)
-    stream._enable_passive(stream.channel.__aiter__())
-    try:
-        while not stream.should_stop:
-            if not events:
-                await stream.wait_for_stopped(nonempty)  # idle: no timer at all
-            if events and not full.is_set():
-                await stream.wait_for_stopped(full, timeout=within_s)
-            if not events:
-                continue
-            consuming = loop.create_future()
-            chunk = list(events)
-            try:
-                yield chunk
-            finally:
-                events.clear()
-                nonempty.clear()
-                full.clear()
-                if not consuming.done():
-                    consuming.set_result(None)
-                consuming = None
-                taken.set()
-                for event in chunk:
-                    await stream.ack(event)
-    finally:
-        stream.enable_acks = acks
-        stream._processors.remove(add)
 
 
 async def committed_or_earliest(app: Any, topic: str, partition: int) -> int:
@@ -761,11 +681,6 @@ def track_metadata(client: Any, topics: Iterable[str]) -> None:
             client.add_topic(topic)
 
 
-#: Most keys whose murmur2 hash :class:`FaustSink` keeps (then it starts again): device ids
-#: repeat, request ids (the retry topic's keys) do not.
-_MAX_HASHED_KEYS = 65_536
-
-
 class FaustSink:
     """:class:`streamapp.agents.pipeline.BatchSink` over Faust topics (raw key and value bytes).
 
@@ -786,7 +701,6 @@ class FaustSink:
         self._topics = topics
         self._app = app
         self._tracked: Any = None  # the producer client whose metadata tracks our topics
-        self._hashes: dict[bytes, int] = {}  # key → murmur2 & 0x7FFFFFFF (send_many)
 
     async def send(self, topic: str, key: bytes | None, value: bytes) -> Awaitable[Any]:
         if self._app is not None:
@@ -821,12 +735,6 @@ class FaustSink:
         groups: dict[tuple[str, int], list[int]] = {}
         partitions: dict[str, tuple[list[int], list[int]]] = {}
         partitioner = producer._partitioner
-        # aiokafka's DefaultPartitioner hashes a key with murmur2 in Python (~8 µs for a
-        # device id): the hash of each key is kept (devices repeat), the partition is still
-        # the hash modulo the topic's current partition count.
-        hashes = self._hashes if isinstance(partitioner, DefaultPartitioner) else None
-        if hashes is not None and len(hashes) > _MAX_HASHED_KEYS:
-            hashes.clear()
         for i, (topic, key, _) in enumerate(records):
             known = partitions.get(topic)
             if known is None:
@@ -836,13 +744,7 @@ class FaustSink:
                     sorted(metadata.partitions_for_topic(topic)),
                     sorted(metadata.available_partitions_for_topic(topic)),
                 )
-            if hashes is not None and key is not None:
-                digest = hashes.get(key)
-                if digest is None:
-                    digest = hashes[key] = murmur2(key) & 0x7FFFFFFF
-                partition = known[0][digest % len(known[0])]
-            else:
-                partition = partitioner(key, *known)
+            partition = partitioner(key, *known)
             group = groups.get((topic, partition))
             if group is None:
                 groups[(topic, partition)] = [i]

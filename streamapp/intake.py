@@ -3,7 +3,7 @@
 With ``intake=faust`` every record takes Faust's per-event path: the fetcher's drain loop
 awaits ``Service.wait_first`` per message (two futures, two tasks), the conductor takes a lock
 and decodes it into an event, a flow-controlled queue hands it to the stream, the stream's
-drainer applies its processors, and ``take_chunks`` collects the events again. On the 2-core
+drainer applies its processors, and ``take_events`` collects the events again. On the 2-core
 machine that path cost about a quarter of a saturated worker's event loop (py-spy, issue 17,
 2026-12-03), and a Faust agent that only forwards records pays it too: it is most of the
 yardstick's ~100 µs per record against 3–4 µs for a plain aiokafka relay.

@@ -149,17 +149,19 @@ class Settings(BaseSettings):
     )
     producer_linger_ms: float = Field(1.0, ge=0, description="Producer batching delay.")
     intake: Intake = Field(
-        "direct",
-        description="How fetched requests and retries reach the agents: 'direct' (each fetched "
-        "partition's records handed over as one list by Faust's fetcher; about half the CPU "
-        "per result of 'faust' in issue 17's measurements; streamapp/intake.py) or 'faust' "
-        "(one Faust event per record through the agents' streams, in chunks of intake_wait_ms).",
+        "faust",
+        description="How fetched requests and retries reach the agents: 'faust' (one Faust "
+        "event per record through the agents' streams, in chunks of intake_wait_ms) or "
+        "'direct' (each fetched partition's records handed over as one list by Faust's "
+        "fetcher: about half the CPU per result in issue 17's measurements; not yet the "
+        "default: streamapp/intake.py says why).",
     )
     intake_wait_ms: float = Field(
         2.0, gt=0,
-        description="With intake='faust': longest the agents wait for more records after the "
-        "first before handling what they read (ms). Records are admitted, decoded and queued "
-        "in chunks of up to max_batch_size; at light load this adds at most this much latency.",
+        description="With intake='faust': longest the agents wait for more records before "
+        "handling what they read (ms; Faust's take_events). Records are admitted, decoded "
+        "and queued in chunks of up to max_batch_size; at light load this adds at most this "
+        "much latency.",
     )
     max_poll_records: int = Field(
         5000, ge=1,
