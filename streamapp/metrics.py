@@ -177,7 +177,7 @@ METRIC_FAMILIES: tuple[tuple[str, str, str, str], ...] = (
          "Transactions that could not be committed (the worker aborts and stops after one)."),
         ("streamapp_stale_outcomes_dropped_total", "counter", "",
          "Outcomes not produced because their partition was revoked or reassigned after the "
-         "record was read (exactly_once: its next reader answers it)."),
+         "record was read (its next reader answers it)."),
         ("streamapp_undecodable_batches_total", "counter", "topic, handling",
          "Fetched record batches the consumer could not decode (bad CRC, a codec it lacks, "
          "corrupt compressed data), each counted once: `dead_lettered` (request and retry "

@@ -126,7 +126,10 @@ class WorkerRuntime:
                     retry_store=retry_store, observers=observers,
                     highwater=getattr(self._host, "highwater", None),
                     ack_guard=self.ack_guard,
-                    current=self.delivery.current if self.transactions is not None else None,
+                    # both modes: an outcome of a record whose partition was revoked since
+                    # it was read is not produced (its next reader answers it, and counts it
+                    # in the device tables; the old reader's late row was lost, issue 17)
+                    current=self.delivery.current,
                 )
                 if self.transactions is not None:
                     self.transactions.settle = functools.partial(self._settle, pipeline)

@@ -272,7 +272,7 @@ class PipelineStats:
     #: Failed batches whose requests were run again, each alone (the metric's historic name).
     bisections: int = 0
     #: Outcomes not produced because their partition was revoked or reassigned after the
-    #: record was read (exactly_once only: its next reader answers it).
+    #: record was read (its next reader answers it).
     stale_dropped: int = 0
     #: Requests a queue policy kept from the engine: past their max age, or superseded.
     expired: int = 0
@@ -295,10 +295,14 @@ class InferencePipeline:
         ack_guard: Confirms acknowledgements (:class:`AckGuard`, e.g.
             :class:`streamapp.topology.TopicWatch`): one it refuses, or held acknowledgements
             it does not confirm at a state flush, leave their records uncommitted.
-        current: With exactly_once: whether a record still belongs to its partition's current
-            assignment (:meth:`streamapp.delivery.Delivery.current`); the outcomes of records
-            that do not are dropped (the partition's next reader answers them, in its own
-            transaction). None (at_least_once): every outcome is produced.
+        current: Whether a record still belongs to its partition's current assignment
+            (:meth:`streamapp.delivery.Delivery.current`); the outcomes of records that do not
+            are dropped: the partition's next reader answers them (with exactly_once in its own
+            transaction) and counts them in its device tables. The worker passes it in both
+            delivery modes: with at_least_once, a result produced late by the old reader was
+            answered twice while the device row it wrote after the handover was lost (table
+            count one below the result topic, tests/integration/test_state_handover.py).
+            None: every outcome is produced.
     """
 
     def __init__(

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 
 import pytest
 
 from streamapp.agents.pipeline import SourceMessage
-from streamapp.delivery import Delivery, Record
+from streamapp.delivery import STABLE_OFFSET_TRIES, Delivery, Record
 from streamapp.offsets import TP
 
 T = "requests"
@@ -84,6 +85,73 @@ async def test_admit_skips_records_the_broker_no_longer_has(caplog: pytest.LogCa
     got = await d.admit(T, 0, 13, b"k", b"v13")
     assert [m.offset for m in got] == [12, 13]
     assert "no longer exist" in caplog.text
+
+
+class CommittingMeanwhile(FakeConsumer):
+    """The group's committed offset answers ``answers`` in turn (the last one from then on): a
+    previous owner committed after the assignment's first read."""
+
+    def __init__(self, records: dict[int, tuple[bytes, bytes]], answers: list[int]) -> None:
+        super().__init__(records, start=answers[0])
+        self.answers = list(answers)
+        self.asked = 0
+
+    async def committed_or_earliest(self, topic: str, partition: int) -> int:
+        self.asked += 1
+        return self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+
+
+class OneTransaction:
+    async def commit(self, committable: object) -> dict[TP, int]:
+        return {}
+
+
+async def test_a_gap_the_previous_owner_committed_meanwhile_is_not_read_again(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """At-least-once: the assignment started from committed 10, the previous owner committed
+    12 before the consumer fetched (from 13): only 12 is read and processed again."""
+    caplog.set_level(logging.INFO, "streamapp.delivery")
+    records = {o: (b"k", f"v{o}".encode()) for o in range(10, 20)}
+    consumer = CommittingMeanwhile(records, [10, 12])
+    d = delivery(consumer)
+    got = await d.admit(T, 0, 13, b"k", b"v13")
+    assert [m.offset for m in got] == [12, 13]
+    assert consumer.reads == [(0, 12, 13)]
+    assert d.stats.committed_meanwhile == 1
+    assert "offsets 10..11 were committed by the partition's previous owner" in caplog.text
+    for m in got:
+        m.ack()
+    await d.commit_now()
+    assert consumer.commits == [{(T, 0): 14}]
+
+
+async def test_exactly_once_waits_for_the_previous_owners_offsets_to_become_stable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """exactly_once: the committed offset still reads 10 twice (the previous owner's transaction
+    markers not written yet, KIP-447), then 13: nothing before 13 is answered again."""
+    monkeypatch.setattr("streamapp.delivery.STABLE_OFFSET_WAIT_S", 0.0)
+    records = {o: (b"k", f"v{o}".encode()) for o in range(10, 20)}
+    consumer = CommittingMeanwhile(records, [10, 10, 10, 13])
+    d = Delivery(consumer, commit_interval_s=60.0, transactions=OneTransaction())
+    got = await d.admit(T, 0, 13, b"k", b"v13")
+    assert [m.offset for m in got] == [13]
+    assert consumer.reads == []
+    assert consumer.asked == 4  # the assignment's read, then three more
+
+
+async def test_exactly_once_reads_a_real_gap_after_the_committed_offset_stays(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("streamapp.delivery.STABLE_OFFSET_WAIT_S", 0.0)
+    records = {o: (b"k", f"v{o}".encode()) for o in range(10, 20)}
+    consumer = CommittingMeanwhile(records, [10])
+    d = Delivery(consumer, commit_interval_s=60.0, transactions=OneTransaction())
+    got = await d.admit(T, 0, 13, b"k", b"v13")
+    assert [m.offset for m in got] == [10, 11, 12, 13]
+    assert consumer.asked == 1 + STABLE_OFFSET_TRIES
+    assert d.stats.committed_meanwhile == 0
 
 
 async def test_sweep_reads_records_skipped_at_the_end_of_a_partition() -> None:
