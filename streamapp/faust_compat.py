@@ -40,6 +40,7 @@ __all__ = [
     "commit_offsets",
     "committed_or_earliest",
     "event_context",
+    "flush_producer",
     "group_metadata",
     "guard_undecodable_batches",
     "install_direct_intake",
@@ -89,6 +90,22 @@ async def committed_or_earliest(app: Any, topic: str, partition: int) -> int:
         return int(committed)
     earliest = await app.consumer.earliest_offsets(TP(topic, partition))
     return int(next(iter(earliest.values()), 0) or 0)
+
+
+async def flush_producer(app: Any) -> None:
+    """Wait until every record handed to Faust's producer (its buffer included) is delivered.
+
+    Faust's own buffer flush gives up after 0.1 s without progress, so it is repeated (at most
+    20 times) until the buffer is empty. A stopped producer is not an error here (logged).
+    """
+    producer = app.producer
+    try:
+        for _ in range(20):
+            await producer.flush()
+            if producer.buffer.size == 0:
+                return
+    except Exception as exc:  # the producer is stopped
+        log.debug("producer flush skipped: %s", exc)
 
 
 async def commit_offsets(app: Any, offsets: Mapping[tuple[str, int], int]) -> bool:

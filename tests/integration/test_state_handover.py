@@ -110,5 +110,12 @@ async def test_device_counts_stay_exact_across_handovers(
           f"{ {d: results[d] - distinct[d] for d in results if results[d] != distinct[d]} }, "
           f"table sum {sum((c or {}).get('result', 0) for c in got[0].values())}, "
           f"table - topic by device {diffs}, workers agree {got[0] == got[1]}")
+    copies: dict[str, list[str]] = {}
+    for r in out.results:
+        copies.setdefault(r["request_id"], []).append(
+            f"{r['device_id']} seq {r['seq']} by {r.get('worker')} at {r.get('ts')}")
+    for request_id, seen in copies.items():
+        if len(seen) > 1:
+            print(f"answered {len(seen)}x {request_id}: {seen}")
     assert got[0] == got[1]
     assert got[0] == want
