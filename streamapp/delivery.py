@@ -449,8 +449,14 @@ class Delivery:
 
     def current(self, message: SourceMessage) -> bool:
         """Whether ``message`` was admitted in its partition's current assignment (False once
-        the partition was revoked or reassigned since: its outcome must not be produced in
-        exactly_once mode, the partition's next reader answers it)."""
+        the partition was revoked or reassigned since, or its revocation has begun: its
+        outcome must not be produced, the partition's next reader answers it)."""
+        assigned = self._assigned
+        if assigned is not None and (message.topic, message.partition) not in assigned:
+            # revocation under way (on_revoked forgets the partition's state only after its
+            # commit): a row written for it now would reach the changelog after the next owner
+            # restored it
+            return False
         owner = getattr(message.ack, "func", None)
         return getattr(owner, "__self__", None) is self.tracker.state(
             (message.topic, message.partition))

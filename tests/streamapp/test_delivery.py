@@ -206,3 +206,29 @@ async def test_records_of_partitions_no_longer_assigned_leave_no_state_behind() 
     consumer.start = 1500
     assert [m.offset for m in await d.admit(T, 1, 1500, b"k", b"v")] == [1500]  # no re-read
     assert consumer.reads == []
+
+
+async def test_a_record_stops_being_current_when_its_partitions_revocation_begins() -> None:
+    """The state flush that revocation runs before its commit already sees the revoked
+    partition's records as not current: an outcome finished meanwhile is not produced (its row
+    would reach the changelog after the next owner restored it)."""
+    d = delivery(FakeConsumer({}, start=0))
+    d.on_assigned({(T, 0), (T, 1)})
+    [m0] = await d.admit(T, 0, 0, b"k", b"v")
+    [m1] = await d.admit(T, 1, 0, b"k", b"v")
+    assert (d.current(m0), d.current(m1)) == (True, True)
+    seen: list[tuple[bool, bool]] = []
+
+    async def flush() -> None:
+        seen.append((d.current(m0), d.current(m1)))
+
+    async def process(message: SourceMessage) -> None:
+        raise AssertionError("nothing to recover")
+
+    d.start(process, lambda: False, flush)
+    try:
+        await d.on_revoked({(T, 0)})
+    finally:
+        await d.stop()
+    assert seen == [(False, True)]
+    assert (d.current(m0), d.current(m1)) == (False, True)
