@@ -13,12 +13,13 @@ discriminates in runs where such a gap happens (the "consumer gaps" it prints): 
 every such run failed (3 of 7 runs had gaps), after it 6 of 6 passed (4 with gaps). The
 deterministic check is in ``tests/streamapp/tables/test_device_state.py``.
 
-A second cause (2026-12-03, 4 of 16 runs): a batch that finished while the old owner's
-revocation handler flushed and committed was still produced; its record was answered again by
-the next owner and the old owner's row for it reached the changelog after the next owner
-restored it. The old owner now drops such outcomes and flushes its producer before the handler
-returns (docs/delivery.md); the deterministic check is in ``tests/streamapp/test_delivery.py``.
-The copies of each request answered twice are printed with the worker that answered them.
+A second cause (2026-12-03; 5 of 10 runs failed before the fix): a batch that finished while the
+old owner's revocation handler flushed and committed was still produced; its record was answered
+again by the next owner and the old owner's row for it reached the changelog after the next
+owner restored it. The old owner now drops such outcomes and flushes its producer before the
+handler returns (docs/delivery.md); the deterministic check is in
+``tests/streamapp/test_delivery.py``. The copies of each request answered twice are printed with
+the worker that answered them.
 """
 
 from __future__ import annotations
