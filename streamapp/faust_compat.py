@@ -92,20 +92,25 @@ async def committed_or_earliest(app: Any, topic: str, partition: int) -> int:
     return int(next(iter(earliest.values()), 0) or 0)
 
 
-async def flush_producer(app: Any) -> None:
+async def flush_producer(app: Any) -> bool:
     """Wait until every record handed to Faust's producer (its buffer included) is delivered.
 
     Faust's own buffer flush gives up after 0.1 s without progress, so it is repeated (at most
-    20 times) until the buffer is empty. A stopped producer is not an error here (logged).
+    20 times) until the buffer is empty.
+
+    Returns:
+        False when the producer is stopped (logged at DEBUG), else True.
     """
     producer = app.producer
     try:
         for _ in range(20):
             await producer.flush()
             if producer.buffer.size == 0:
-                return
+                break
     except Exception as exc:  # the producer is stopped
         log.debug("producer flush skipped: %s", exc)
+        return False
+    return True
 
 
 async def commit_offsets(app: Any, offsets: Mapping[tuple[str, int], int]) -> bool:

@@ -40,7 +40,12 @@ from typing import Any
 import faust
 from aiokafka.partitioner import DefaultPartitioner
 
-from streamapp.faust_compat import StandInEvent, event_context, screen_changelog
+from streamapp.faust_compat import (
+    StandInEvent,
+    event_context,
+    flush_producer,
+    screen_changelog,
+)
 from streamapp.settings import Settings
 from streamapp.tables.rows import DEVICE_ROWS_CACHED, RowScreen
 from streamapp.tables.store_guard import StoreWriteGuard, TableWriteStatus
@@ -131,14 +136,7 @@ class ChangelogSealer:
             How many partitions were sealed.
         """
         generation = self._generation
-        producer = self.app.producer
-        try:
-            for _ in range(20):  # Faust's buffer flush gives up after 0.1 s without progress
-                await producer.flush()
-                if producer.buffer.size == 0:
-                    break
-        except Exception as exc:  # the producer is stopped
-            log.debug("changelog seal skipped: %s", exc)
+        if not await flush_producer(self.app):  # the producer is stopped
             return 0
         if generation != self._generation or not self._dirty:
             return 0
@@ -151,7 +149,7 @@ class ChangelogSealer:
         self.seals += len(partitions)
         if wait:
             with contextlib.suppress(Exception):
-                await producer.flush()
+                await self.app.producer.flush()
         return len(partitions)
 
     def _owned(self) -> set[int] | None:
