@@ -149,12 +149,12 @@ class Settings(BaseSettings):
     )
     producer_linger_ms: float = Field(1.0, ge=0, description="Producer batching delay.")
     intake: Intake = Field(
-        "faust",
-        description="How fetched requests and retries reach the agents: 'faust' (one Faust "
-        "event per record through the agents' streams, in chunks of intake_wait_ms) or "
-        "'direct' (each fetched partition's records handed over as one list by Faust's "
-        "fetcher: about half the CPU per result in issue 17's measurements; not yet the "
-        "default: streamapp/intake.py says why).",
+        "direct",
+        description="How fetched requests and retries reach the agents: 'direct' (each "
+        "fetched partition's records handed over as one list by Faust's fetcher; "
+        "streamapp/intake.py) or 'faust' (one Faust event per record through the agents' "
+        "streams, in chunks of intake_wait_ms: about 3x the CPU per result on the H200 host, "
+        "docs/performance.md).",
     )
     intake_wait_ms: float = Field(
         2.0, gt=0,

@@ -40,8 +40,8 @@ def _until(n: int) -> object:
 
 @pytest.mark.parametrize(
     ("codec", "worker_options"),
-    [("json", {}), ("msgpack", {}), ("msgpack", {"intake": "direct"})],
-    ids=["json", "msgpack", "msgpack-direct-intake"],  # intake=faust is the default
+    [("json", {}), ("msgpack", {}), ("msgpack", {"intake": "faust"})],
+    ids=["json", "msgpack", "msgpack-faust-intake"],  # intake=direct is the default
 )
 async def test_500_frames_from_8_devices_are_answered_in_device_order(
     kafka_broker: EmbeddedBroker,

@@ -24,7 +24,7 @@ def test_the_log_starts_with_where_the_worker_is_and_skips_changelog_chatter(
     assert block[1].startswith(f"  web      {worker.web_url} ")
     assert block[2] == f"  broker   {s.broker} ({s.broker_kind})"
     # the worker fixture's batches: 16 requests or 5 ms
-    assert block[3] == (f"  reads    {s.request_topic}, {s.retry_topic} (intake faust; "
+    assert block[3] == (f"  reads    {s.request_topic}, {s.retry_topic} (intake direct; "
                         "batches of 16 or 5 ms)")
     assert block[4] == f"  writes   {s.result_topic}, {s.dlq_topic}"
     assert block[5] == (f"  delivery {s.processing_guarantee} (processing_guarantee; "

@@ -66,7 +66,7 @@ def test_startup_block_says_where_the_worker_is(tmp_path: Path) -> None:
         "streamapp worker of group 'cams' (12 partitions per topic)",
         "  web      http://gpu-3:6070 (bound to 0.0.0.0; /ready, /metrics, /devices/{id})",
         f"  broker   kafka://10.0.0.5:9092 ({settings.broker_kind})",
-        "  reads    prod.inference-request, prod.inference-retry (intake faust; batches of 32 "
+        "  reads    prod.inference-request, prod.inference-retry (intake direct; batches of 32 "
         "or 5 ms)",
         "  writes   prod.inference-result, prod.inference-dlq",
         "  delivery at_least_once (processing_guarantee; docs/delivery.md)",
