@@ -66,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
                        "each drain: w0, w1, ..., gpu-server0 (issue 17)")
     scale.add_argument("--profile-s", type=float, default=8.0, help="seconds of that profile")
     scale.add_argument("--no-mps", action="store_true", help="leave out the CUDA MPS steps")
+    scale.add_argument("--ceilings", default=None,
+                       help="comma-separated ceilings to measure (aiokafka, faust; empty: "
+                       "none; default: each workload's own)")
     scale.add_argument("--dry-run", action="store_true",
                        help="print the steps, their estimates and what the budget skips")
     backlog = sub.add_parser("backlog", help="worker RSS with a backlog waiting in the topic")
@@ -213,6 +216,13 @@ def _brokers(choice: str | None) -> tuple[BrokerKind, ...] | None:
     return ("embedded", "kafka") if choice == "both" else (choice,)  # type: ignore[return-value]
 
 
+def _ceilings(args: argparse.Namespace) -> tuple[str, ...] | None:
+    """``--ceilings``: None (each plan's own), else the named ones (empty: none)."""
+    if args.ceilings is None:
+        return None
+    return tuple(c for c in args.ceilings.split(",") if c)
+
+
 def _scaleout(args: argparse.Namespace, log: Callable[[str], None]) -> int:
     """``python -m bench scaleout``: the scale-out section alone (or its plan, ``--dry-run``)."""
     out = args.out or Path(f"bench-results/scaleout-{args.profile}")
@@ -223,7 +233,7 @@ def _scaleout(args: argparse.Namespace, log: Callable[[str], None]) -> int:
         run_scaleout(SCALE_PROFILES[args.profile], results, Path("."), log=log,
                      launcher=args.launcher, budget_s=args.budget_s, ns=ns, only=only,
                      dry_run=True, backend=args.backend, gpu_executor=args.gpu_executor,
-                     no_mps=args.no_mps)
+                     no_mps=args.no_mps, ceilings=_ceilings(args))
         return 0
     out.mkdir(parents=True, exist_ok=True)
     results["env"] = environment()
@@ -237,7 +247,7 @@ def _scaleout(args: argparse.Namespace, log: Callable[[str], None]) -> int:
                  launcher=args.launcher, budget_s=args.budget_s, ns=ns, only=only, save=save,
                  backend=args.backend, broker=args.broker, gpu_executor=args.gpu_executor,
                  profile_procs=tuple(p for p in args.profile_procs.split(",") if p),
-                 profile_s=args.profile_s, no_mps=args.no_mps)
+                 profile_s=args.profile_s, no_mps=args.no_mps, ceilings=_ceilings(args))
     results["elapsed_s"] = round(time.monotonic() - started, 1)
     save()
     report = format_report(results)

@@ -9,7 +9,9 @@
 #          N = 1, 8, 16 with the shared executor, and digits p99 at 70 % of saturation;
 # jpeg:    ResNet-50 on camera JPEGs (nvJPEG), N = 1, 8, 12, 16 workers of one group started
 #          by `streamapp worker --processes N --gpu-executor shared`, the engine alone and
-#          the aiokafka relay at the same N.
+#          the aiokafka relay at the same N;
+# groups:  digits and JPEGs at N = 8, 16 on a broker with Kafka's default initial rebalance
+#          delay (3 s), then N = 16 with the test brokers' 0 (BENCH_KAFKA_PROPS).
 # Every step has its own timeout, so the call ends inside the device tool's limit. Writes
 # under $OUT: env.txt, PART.log, PART.tgz (every report, bench.json and worker log).
 set -u
@@ -49,7 +51,18 @@ elif [ "$PART" = jpeg ]; then
   step jpeg-scaleout 540 env STREAMAPP_INTAKE=direct python3 -m bench scaleout --profile gpu \
     --broker kafka --only resnet50-jpeg --ns 1,8,12,16 --gpu-executor shared --no-mps \
     --budget-s 500 --out "$W/jpeg-scaleout" --logs "$W/jpeg-scaleout/logs"
+elif [ "$PART" = groups ]; then
+  # Kafka's default group.initial.rebalance.delay.ms (3 s) against the test brokers' 0, with
+  # the workers alone (no ceilings): does a group of 16 that forms in 2-3 generations cost
+  # the drain its rate?
+  for delay in 3000 0; do
+    ns=8,16; [ "$delay" = 0 ] && ns=16
+    step "groups-delay$delay" 260 env STREAMAPP_INTAKE=direct \
+      BENCH_KAFKA_PROPS="group.initial.rebalance.delay.ms=$delay" python3 -m bench scaleout \
+      --profile gpu --broker kafka --only digits,resnet50-jpeg --ns "$ns" --gpu-executor shared \
+      --no-mps --ceilings "" --budget-s 240 --out "$W/delay$delay" --logs "$W/delay$delay/logs"
+  done
 else
-  echo "unknown part $PART (hotpath or jpeg)" >&2; exit 2
+  echo "unknown part $PART (hotpath, jpeg or groups)" >&2; exit 2
 fi
 tar czf "$OUT/$PART.tgz" -C "$W" . 2>/dev/null

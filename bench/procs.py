@@ -52,6 +52,8 @@ def fresh_broker(log_dir: Path, name: str, kind: BrokerKind = "embedded",
     ``nodes`` None: ``$BENCH_KAFKA_NODES``, else 1. Each node leads about 1/``nodes`` of
     every topic's partitions (replication factor 1 below 3 nodes). ``$BENCH_KAFKA_SMALL=1``
     forces the 2-core thread counts (2 network, 2 I/O threads) on any machine, for an A/B.
+    ``$BENCH_KAFKA_PROPS="key=value,..."`` adds or overrides broker properties (e.g.
+    ``group.initial.rebalance.delay.ms=3000``, Kafka's default, where the test brokers use 0).
     """
     if kind == "embedded":
         with EmbeddedBroker(log_path=log_dir / f"broker-{name}.log") as broker:
@@ -61,7 +63,9 @@ def fresh_broker(log_dir: Path, name: str, kind: BrokerKind = "embedded",
     os.environ[JVM_OPTS_ENV] = previous or BENCH_KAFKA_JVM_OPTS
     count = nodes if nodes is not None else int(os.environ.get("BENCH_KAFKA_NODES") or 1)
     small = True if os.environ.get("BENCH_KAFKA_SMALL") == "1" else None
-    kafka = KafkaBroker(count, small_machine=small)
+    extra = dict(kv.split("=", 1) for kv in os.environ.get("BENCH_KAFKA_PROPS", "").split(",")
+                 if "=" in kv)
+    kafka = KafkaBroker(count, small_machine=small, extra_properties=extra)
     try:
         kafka.start()
     finally:
