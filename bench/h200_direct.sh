@@ -62,7 +62,25 @@ elif [ "$PART" = groups ]; then
       --profile gpu --broker kafka --only digits,resnet50-jpeg --ns "$ns" --gpu-executor shared \
       --no-mps --ceilings "" --budget-s 240 --out "$W/delay$delay" --logs "$W/delay$delay/logs"
   done
+elif [ "$PART" = groups2 ]; then
+  # The two points of `groups` that failed on a web port taken by an outgoing connection
+  # (the benchmark now picks ports below the ephemeral range): digits N=8, JPEGs N=16, 3 s.
+  for w in digits:8:110 resnet50-jpeg:16:170; do
+    IFS=: read -r wl n lim <<< "$w"
+    step "groups2-$wl-n$n" "$lim" env STREAMAPP_INTAKE=direct \
+      BENCH_KAFKA_PROPS="group.initial.rebalance.delay.ms=3000" python3 -m bench scaleout \
+      --profile gpu --broker kafka --only "$wl" --ns "$n" --gpu-executor shared --no-mps \
+      --ceilings "" --budget-s $((lim - 15)) --out "$W/$wl-n$n" --logs "$W/$wl-n$n/logs"
+  done
+elif [ "$PART" = profile ]; then
+  # What limits the shared executor at ~7,500 JPEGs/s (workers ~25 % CPU, GPU ~70 %): py-spy
+  # on the executor server and one worker under closed-loop load after an N=8 drain.
+  step profile-jpeg-n8 140 env STREAMAPP_INTAKE=direct \
+    BENCH_KAFKA_PROPS="group.initial.rebalance.delay.ms=3000" python3 -m bench scaleout \
+    --profile gpu --broker kafka --only resnet50-jpeg --ns 8 --gpu-executor shared --no-mps \
+    --ceilings "" --profile-procs gpu-server0,w0 --profile-s 10 --budget-s 125 \
+    --out "$W/profile" --logs "$W/profile/logs"
 else
-  echo "unknown part $PART (hotpath, jpeg or groups)" >&2; exit 2
+  echo "unknown part $PART (hotpath, jpeg, groups, groups2 or profile)" >&2; exit 2
 fi
 tar czf "$OUT/$PART.tgz" -C "$W" . 2>/dev/null

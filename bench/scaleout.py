@@ -263,12 +263,28 @@ def _wait_all_ready(urls: Sequence[str], children: Sequence[WorkerProcess],
     return [round(ready[i], 2) for i in range(len(urls))]
 
 
+def _ephemeral_low() -> int:
+    """The lowest port of the OS's ephemeral range (Linux ``ip_local_port_range``; 32768 where
+    it cannot be read)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def _free_port_range(n: int) -> int:
-    """A base port such that base … base + n − 1 were free a moment ago."""
+    """A base port such that base … base + n − 1 were free a moment ago, below the OS's
+    ephemeral range: a port in that range can be taken by any outgoing connection (the N
+    workers' own Kafka connections among them) between this check and the worker's bind — on
+    the H200, 2026-12-03, a worker of 8 found its port taken 5 times in a row and the
+    supervisor gave up."""
+    import random
     import socket
 
+    low = max(1024, min(_ephemeral_low(), 65536) - 12_000)
+    high = min(_ephemeral_low(), 65536) - n
     for _ in range(50):
-        base = free_port()
+        base = random.randint(low, high) if high > low else free_port()
         if base + n > 65535:
             continue
         socks = []
