@@ -41,7 +41,8 @@ BENCH_KAFKA_JVM_OPTS = ("-Xmx1G -Xms1G -server -XX:+UseG1GC -XX:MaxGCPauseMillis
 
 @contextlib.contextmanager
 def fresh_broker(log_dir: Path, name: str, kind: BrokerKind = "embedded",
-                 nodes: int | None = None) -> Iterator[Broker]:
+                 nodes: int | None = None,
+                 properties: Mapping[str, str] | None = None) -> Iterator[Broker]:
     """A new broker for one measurement (or one workload, on Apache Kafka).
 
     ``embedded``: Tansu, fresh per measurement (its log length then does not carry over:
@@ -52,8 +53,8 @@ def fresh_broker(log_dir: Path, name: str, kind: BrokerKind = "embedded",
     ``nodes`` None: ``$BENCH_KAFKA_NODES``, else 1. Each node leads about 1/``nodes`` of
     every topic's partitions (replication factor 1 below 3 nodes). ``$BENCH_KAFKA_SMALL=1``
     forces the 2-core thread counts (2 network, 2 I/O threads) on any machine, for an A/B.
-    ``$BENCH_KAFKA_PROPS="key=value,..."`` adds or overrides broker properties (e.g.
-    ``group.initial.rebalance.delay.ms=3000``, Kafka's default, where the test brokers use 0).
+    ``properties`` adds or overrides broker properties, and ``$BENCH_KAFKA_PROPS="key=value,..."``
+    overrides both (e.g. ``group.initial.rebalance.delay.ms=0``, the test brokers' value).
     """
     if kind == "embedded":
         with EmbeddedBroker(log_path=log_dir / f"broker-{name}.log") as broker:
@@ -63,8 +64,9 @@ def fresh_broker(log_dir: Path, name: str, kind: BrokerKind = "embedded",
     os.environ[JVM_OPTS_ENV] = previous or BENCH_KAFKA_JVM_OPTS
     count = nodes if nodes is not None else int(os.environ.get("BENCH_KAFKA_NODES") or 1)
     small = True if os.environ.get("BENCH_KAFKA_SMALL") == "1" else None
-    extra = dict(kv.split("=", 1) for kv in os.environ.get("BENCH_KAFKA_PROPS", "").split(",")
-                 if "=" in kv)
+    extra = dict(properties or {})
+    extra |= dict(kv.split("=", 1) for kv in os.environ.get("BENCH_KAFKA_PROPS", "").split(",")
+                  if "=" in kv)
     kafka = KafkaBroker(count, small_machine=small, extra_properties=extra)
     try:
         kafka.start()
