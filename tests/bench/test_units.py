@@ -231,3 +231,30 @@ def test_each_gpu_of_a_multi_gpu_host_gets_its_own_mean_utilisation() -> None:
     one.samples = [{"t": 0.0, "cpu": {}, "rss": {}, "machine_cpu": 1.0,
                     "gpu": gpu_sample([40.0], 10.0)}]
     assert "gpu_util_pct_per_gpu" not in one.summary(0.0, 1.0)  # one GPU: the mean says it all
+
+
+def test_worker_ports_are_chosen_below_the_ephemeral_range(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An outgoing connection can take a port of the OS's ephemeral range between the check and
+    the worker's bind, and a GET on a port nobody listens on can connect to itself there (H200,
+    2026-12-03): the N workers' ports lie below that range and were free a moment ago."""
+    import socket
+
+    from bench import scaleout
+
+    monkeypatch.setattr(scaleout, "_ephemeral_low", lambda: 40_000)
+    for _ in range(20):
+        base = scaleout._free_port_range(16)
+        assert 28_000 <= base and base + 16 <= 40_000
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", base + 15))
+
+
+def test_ceilings_override_leaves_the_worker_series_alone() -> None:
+    logged: list[str] = []
+    results: dict[str, Any] = {}
+
+    run_scaleout(SCALE_PROFILES["gpu"], results, Path("."), log=logged.append, budget_s=10_000,
+                 dry_run=True, only=("digits",), ns=(8, 16), ceilings=())
+
+    planned = [line.split(":")[0].strip() for line in logged if "about" in line]
+    assert planned == ["digits workers N=8", "digits workers N=16"]
