@@ -50,7 +50,7 @@ from streamapp.partitions import (
 from streamapp.retry import RetryRecord
 from streamapp.runtime import WorkerRuntime
 from streamapp.settings import Settings, load_settings
-from streamapp.state import advertised_host, build_state
+from streamapp.state import UNASSIGNED_WARN_S, advertised_host, build_state
 from streamapp.tables.rows import RowScreen
 from streamapp.topology import TopicWatch
 from streamapp.transactions import (
@@ -292,6 +292,12 @@ def create_app(settings: Settings | None = None) -> faust.App:
         # logs the ERROR line even while no request and no /ready call looks
         _ = check.degraded
 
+    def log_unassigned() -> None:
+        # Faust starts timers only after the first assignment's recovery: a plain callback
+        unassigned = state.unassigned_problem()
+        if unassigned is not None:
+            log.warning("%s", unassigned)
+
     @app.on_before_shutdown.connect  # type: ignore[arg-type]
     async def on_shutdown(app_: Any, **kwargs: Any) -> None:
         # Faust has stopped fetching but its consumer still runs: the last moment to commit.
@@ -341,6 +347,8 @@ def create_app(settings: Settings | None = None) -> faust.App:
     async def inference(stream: faust.StreamT[bytes]) -> None:
         # noack + acks=False: a record counts as finished only when the broker acknowledged its
         # result, retry record or dead letter (see streamapp.delivery).
+        # a worker that never gets a partition says why, once (also with nobody asking /ready)
+        watchdog = asyncio.get_running_loop().call_later(UNASSIGNED_WARN_S, log_unassigned)
         pipeline = await runtime.acquire(sink, retry_store, observers)
         try:
             if intake:
@@ -350,6 +358,7 @@ def create_app(settings: Settings | None = None) -> faust.App:
                 async for events in stream.noack().take_events(chunk, within):  # type: ignore[attr-defined]
                     await pipeline.handle_many(await admitted(events))
         finally:
+            watchdog.cancel()
             await runtime.release()
 
     @app.agent(retry_topic, name="retry")

@@ -10,6 +10,7 @@ import contextlib
 import logging
 import socket
 import ssl
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +43,13 @@ def advertised_host(settings: Settings) -> str:
     return socket.gethostname()
 
 
+#: Seconds after the worker's start without any partition assigned before ``/ready`` explains
+#: why and the worker logs it once (a group of 16 formed in 6 s on the H200 with Kafka's
+#: default 3 s initial rebalance delay, docs/scaleout.md; a restart on the embedded broker
+#: takes 5–20 s, docs/broker.md).
+UNASSIGNED_WARN_S = 60.0
+
+
 @dataclass
 class WorkerState:
     """Everything the views need: the app, settings, runtime, tables and metrics."""
@@ -60,6 +68,8 @@ class WorkerState:
     progress: ProgressWatch = field(default_factory=lambda: ProgressWatch(0.0))
     #: For the readiness probe of SSL / SASL_SSL listeners.
     probe_ssl: ssl.SSLContext | None = None
+    #: ``time.monotonic()`` when the state was built (the worker's start).
+    started: float = field(default_factory=time.monotonic)
 
     @property
     def worker(self) -> str:
@@ -94,10 +104,29 @@ class WorkerState:
                 getattr(m.executor, "connected", True) for m in self.runtime.models.values())
         return checks
 
+    def unassigned_problem(self, now: float | None = None) -> str | None:
+        """Why no partition is assigned, once :data:`UNASSIGNED_WARN_S` passed since the start
+        without any (None before, and while partitions are assigned)."""
+        waited = (time.monotonic() if now is None else now) - self.started
+        if waited < UNASSIGNED_WARN_S or self.assigned():
+            return None
+        return (
+            f"no partition of {self.settings.request_topic} assigned {waited:.0f} s after the "
+            "start: the group may still be rebalancing (workers starting or stopping), or it "
+            "has more workers than the topic has partitions; on the embedded broker a group can "
+            "stay stuck for good after some of its workers stopped (the broker keeps a member "
+            "that left as the group's leader: docs/broker.md): restart `streamapp broker` or "
+            "give the workers a new --app-id")
+
     def readiness_problems(self, checks: dict[str, bool]) -> dict[str, str]:
         """Why the failing checks of :meth:`readiness` fail, for ``/ready``'s ``problems``
-        (a sentence each; only ``gpu_server_reachable`` so far)."""
+        (a sentence each: ``partitions_assigned`` after :data:`UNASSIGNED_WARN_S`,
+        ``gpu_server_reachable``)."""
         out: dict[str, str] = {}
+        if not checks.get("partitions_assigned", True):
+            unassigned = self.unassigned_problem()
+            if unassigned is not None:
+                out["partitions_assigned"] = unassigned
         if checks.get("gpu_server_reachable", True):
             return out
         if not self.runtime.ready:

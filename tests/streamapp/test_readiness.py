@@ -169,3 +169,26 @@ def test_an_unreachable_gpu_server_says_why_in_problems() -> None:
         "the executor server at /tmp/g.sock is not reachable")
     assert "gpu_server_wait_s (45 s)" in problems["gpu_server_reachable"]
     assert WorkerState.readiness_problems(state, {"gpu_server_reachable": True}) == {}  # type: ignore[arg-type]
+
+
+def test_a_worker_without_partitions_says_why_after_a_minute() -> None:
+    """A worker that got no partition: ``/ready``'s ``problems`` says why only once
+    UNASSIGNED_WARN_S passed (a group forming takes seconds), and names the embedded broker's
+    stuck group (a new-user trial, 2026-12-03: 3 of 4 restarts after `--processes 2`)."""
+    from types import SimpleNamespace
+
+    from streamapp.settings import Settings
+    from streamapp.state import UNASSIGNED_WARN_S, WorkerState
+
+    partitions: list[tuple[str, int]] = []
+    state = SimpleNamespace(started=100.0, settings=Settings(topic_prefix="cams."),
+                            assigned=lambda: partitions)
+    problem = WorkerState.unassigned_problem
+
+    assert problem(state, now=100.0 + UNASSIGNED_WARN_S - 1) is None  # type: ignore[arg-type]
+    text = problem(state, now=100.0 + UNASSIGNED_WARN_S + 5)  # type: ignore[arg-type]
+    assert text is not None and text.startswith(
+        "no partition of cams.inference-request assigned 65 s after")
+    assert "restart `streamapp broker` or give the workers a new --app-id" in text
+    partitions.append(("cams.inference-request", 0))
+    assert problem(state, now=100.0 + 3600) is None  # type: ignore[arg-type]
