@@ -403,7 +403,7 @@ def publish(
     from streamapp.client import publish as publish_requests
     from streamapp.frames import checked_deadline
     from streamapp.kafka import kafka_security_options
-    from streamapp.records import TensorPayload
+    from streamapp.records import TensorPayload, device_id_problem
     from streamapp.settings import load_settings
 
     if codec not in ("json", "msgpack"):
@@ -412,6 +412,10 @@ def publish(
         checked_deadline(deadline, "--deadline", "leave it out")
     except StreamAppError as exc:
         raise _fail(str(exc), 2) from None
+    if device is not None and (problem := device_id_problem(device)) is not None:
+        # the worker would dead-letter every frame as bad_device_id (an empty one used to be
+        # replaced by device-00 without a word)
+        raise _fail(f"--device {device!r}: {problem}", 2)
     files = file or []
     if files.count("-") > 1:
         raise _fail("--file - (stdin) can be given once", 2)
@@ -426,7 +430,7 @@ def publish(
             inputs = [TensorPayload(str(i.dtype), i.shape, i.tobytes()) for i in images]
         n = count or len(inputs)
         indices = [i % len(inputs) for i in range(n)]
-        device_ids = [device] if device else [f"device-{d:02d}" for d in range(devices)]
+        device_ids = [device] if device is not None else [f"device-{d:02d}" for d in range(devices)]
         requests = frame_requests(inputs, device_ids=device_ids, model=model, indices=indices,
                                   deadline=deadline)
         for index, request in requests[:len(inputs)]:  # the others repeat these

@@ -215,3 +215,24 @@ def test_frames_that_cannot_become_requests(frame: object, message: str) -> None
     with pytest.raises(FrameError) as raised:
         frame_input(frame)  # type: ignore[arg-type]
     assert str(raised.value) == message
+
+
+@pytest.mark.parametrize(("value", "why"), [
+    ("", "is empty"),
+    ("cam\t1", "holds U+0009 (a control character) at index 3"),
+])
+def test_a_device_id_the_worker_would_dead_letter_is_one_usage_line(
+    runner: CliRunner, value: str, why: str,
+) -> None:
+    """An empty --device used to send every frame as device-00 without a word (a new-user
+    trial, 2026-12-03)."""
+    result = runner.invoke(cli, ["publish", "--broker", NOWHERE, "--device", value],
+                           prog_name="streamapp")
+    assert result.exit_code == 2
+    (line,) = result.output.splitlines()
+    assert line.startswith(f"error: --device {value!r}: {why}")
+
+
+def test_a_good_device_id_gets_as_far_as_the_broker(runner: CliRunner) -> None:
+    (line,) = publish(runner, "--device", "cam 1", "--count", "1")
+    assert line.startswith("error: cannot talk to the broker at 127.0.0.1:1")
