@@ -738,8 +738,12 @@ def results_tail(
         ) as reader:
             if since_s is not None:
                 await reader.start_at_time(since_s)
-            elif device is None and limit:
+            from_end = ""
+            if since_s is None and device is None and limit:
                 await reader.start_at_last(limit)  # else: a device's results may be anywhere
+                # a new-user trial read "3 shown of 38 matching (all) of 38 records read" as
+                # "the topic holds 38 results" (it held 1,797)
+                from_end = f" (the last {limit} of each partition)"
             described = " ".join(
                 ([f"device={device}"] if device is not None else [])
                 + ([f"since={iso_utc(since_s)}"] if since_s is not None else [])
@@ -747,7 +751,7 @@ def results_tail(
 
             def summary(shown: int, matching: int, read: int) -> str:
                 return (f"{shown} shown of {matching} matching ({described}) of {read} "
-                        f"records read from {settings.result_topic}")
+                        f"records read from {settings.result_topic}{from_end}")
 
             await _print_tail(
                 reader, keep=lambda e: device is None or e.device == device,

@@ -180,7 +180,9 @@ async def test_records_that_are_not_results_get_a_line_each(
     assert lines[4] == "0@3  not a result (key 'cam-2', 18 B): no 'request_id' field"
     assert lines[5].split()[:2] == ["cam-2", "5"]
     assert len(lines) == 6
-    assert "5 shown of 5 matching (all) of 5 records read from" in out.stderr
+    # read from the end: says how far back (a user read "38 records read" as the topic's size)
+    assert (f"5 shown of 5 matching (all) of 5 records read from {topics.result_topic} "
+            "(the last 50 of each partition)") in out.stderr
 
 
 def test_an_expired_or_superseded_request_shows_its_outcome_as_the_label() -> None:
