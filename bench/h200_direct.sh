@@ -37,49 +37,45 @@ step() {  # name timeout_s command...
   echo "exit $? after $SECONDS s of the call" >> "$W/$name.log"
   grep -v -E "NotLeaderForPartition|retrying" "$W/$name.log" | tail -40 >> "$OUT/$PART.log"
 }
+scaleout() {  # name timeout_s out_dir broker_props args...: the workers of this script's setup
+  local name=$1 limit=$2 dir=$3 props=$4; shift 4
+  step "$name" "$limit" env STREAMAPP_INTAKE=direct BENCH_KAFKA_PROPS="$props" python3 -m bench \
+    scaleout --profile gpu --broker kafka --gpu-executor shared --no-mps \
+    --out "$W/$dir" --logs "$W/$dir/logs" "$@"
+}
 if [ "$PART" = hotpath ]; then
   step ab 200 env OUT="$W/ab" SKIP_INSTALL=1 REQUESTS=40000 \
     VARIANTS="faust=STREAMAPP_INTAKE=faust direct=STREAMAPP_INTAKE=direct" bash bench/h200_ab.sh
   cat "$W/ab/summary.txt" >> "$OUT/$PART.log" 2>/dev/null
-  step digits-scaleout 195 env STREAMAPP_INTAKE=direct python3 -m bench scaleout --profile gpu \
-    --broker kafka --only digits --ns 1,8,16 --gpu-executor shared --no-mps --budget-s 170 \
-    --out "$W/digits-scaleout" --logs "$W/digits-scaleout/logs"
+  scaleout digits-scaleout 195 digits-scaleout "" --only digits --ns 1,8,16 --budget-s 170
   step digits-p99 170 env STREAMAPP_INTAKE=direct BENCH_SKIP=anchor,exactly_once,policy \
     BENCH_OL_S=8 python3 -m bench run --profile gpu --broker kafka --only digits --no-backlog \
     --no-scaleout --budget-s 145 --out "$W/digits-p99" --logs "$W/digits-p99/logs"
 elif [ "$PART" = jpeg ]; then
-  step jpeg-scaleout 540 env STREAMAPP_INTAKE=direct python3 -m bench scaleout --profile gpu \
-    --broker kafka --only resnet50-jpeg --ns 1,8,12,16 --gpu-executor shared --no-mps \
-    --budget-s 500 --out "$W/jpeg-scaleout" --logs "$W/jpeg-scaleout/logs"
+  scaleout jpeg-scaleout 540 jpeg-scaleout "" --only resnet50-jpeg --ns 1,8,12,16 --budget-s 500
 elif [ "$PART" = groups ]; then
   # Kafka's default group.initial.rebalance.delay.ms (3 s) against the test brokers' 0, with
   # the workers alone (no ceilings): does a group of 16 that forms in 2-3 generations cost
   # the drain its rate?
   for delay in 3000 0; do
     ns=8,16; [ "$delay" = 0 ] && ns=16
-    step "groups-delay$delay" 260 env STREAMAPP_INTAKE=direct \
-      BENCH_KAFKA_PROPS="group.initial.rebalance.delay.ms=$delay" python3 -m bench scaleout \
-      --profile gpu --broker kafka --only digits,resnet50-jpeg --ns "$ns" --gpu-executor shared \
-      --no-mps --ceilings "" --budget-s 240 --out "$W/delay$delay" --logs "$W/delay$delay/logs"
+    scaleout "groups-delay$delay" 260 "delay$delay" "group.initial.rebalance.delay.ms=$delay" \
+      --only digits,resnet50-jpeg --ns "$ns" --ceilings "" --budget-s 240
   done
 elif [ "$PART" = groups2 ]; then
   # The two points of `groups` that failed on a web port taken by an outgoing connection
   # (the benchmark now picks ports below the ephemeral range): digits N=8, JPEGs N=16, 3 s.
   for w in digits:8:110 resnet50-jpeg:16:170; do
     IFS=: read -r wl n lim <<< "$w"
-    step "groups2-$wl-n$n" "$lim" env STREAMAPP_INTAKE=direct \
-      BENCH_KAFKA_PROPS="group.initial.rebalance.delay.ms=3000" python3 -m bench scaleout \
-      --profile gpu --broker kafka --only "$wl" --ns "$n" --gpu-executor shared --no-mps \
-      --ceilings "" --budget-s $((lim - 15)) --out "$W/$wl-n$n" --logs "$W/$wl-n$n/logs"
+    scaleout "groups2-$wl-n$n" "$lim" "$wl-n$n" "group.initial.rebalance.delay.ms=3000" \
+      --only "$wl" --ns "$n" --ceilings "" --budget-s $((lim - 15))
   done
 elif [ "$PART" = profile ]; then
   # What limits the shared executor at ~7,500 JPEGs/s (workers ~25 % CPU, GPU ~70 %): py-spy
   # on the executor server and one worker under closed-loop load after an N=8 drain.
-  step profile-jpeg-n8 140 env STREAMAPP_INTAKE=direct \
-    BENCH_KAFKA_PROPS="group.initial.rebalance.delay.ms=3000" python3 -m bench scaleout \
-    --profile gpu --broker kafka --only resnet50-jpeg --ns 8 --gpu-executor shared --no-mps \
-    --ceilings "" --profile-procs gpu-server0,w0 --profile-s 10 --budget-s 125 \
-    --out "$W/profile" --logs "$W/profile/logs"
+  scaleout profile-jpeg-n8 140 profile "group.initial.rebalance.delay.ms=3000" \
+    --only resnet50-jpeg --ns 8 --ceilings "" --profile-procs gpu-server0,w0 --profile-s 10 \
+    --budget-s 125
 else
   echo "unknown part $PART (hotpath, jpeg, groups, groups2 or profile)" >&2; exit 2
 fi

@@ -291,8 +291,8 @@ def _free_port_range(n: int) -> int:
     import random
     import socket
 
-    low = max(1024, min(_ephemeral_low(), 65536) - 12_000)
-    high = min(_ephemeral_low(), 65536) - n
+    edge = _ephemeral_low()
+    low, high = max(1024, edge - 12_000), edge - n
     for _ in range(50):
         base = random.randint(low, high) if high > low else free_port()
         if base + n > 65535:

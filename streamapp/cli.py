@@ -736,10 +736,10 @@ def results_tail(
         async with ResultReader(
             settings.bootstrap_servers, settings.result_topic, security=security
         ) as reader:
+            from_end = ""
             if since_s is not None:
                 await reader.start_at_time(since_s)
-            from_end = ""
-            if since_s is None and device is None and limit:
+            elif device is None and limit:
                 await reader.start_at_last(limit)  # else: a device's results may be anywhere
                 # a new-user trial read "3 shown of 38 matching (all) of 38 records read" as
                 # "the topic holds 38 results" (it held 1,797)
