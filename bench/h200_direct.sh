@@ -7,6 +7,8 @@
 # hotpath: one worker against the take_events + send_batch Faust agent (intake=faust, then
 #          direct, the yardstick first and last: bench/h200_ab.sh), digits scale-out at
 #          N = 1, 8, 16 with the shared executor, and digits p99 at 70 % of saturation;
+# jpeg2:   camera JPEGs N = 8 with the small-result relay ceiling and py-spy, one and two
+#          Kafka nodes (sixth session);
 # jpeg:    ResNet-50 on camera JPEGs (nvJPEG), N = 1, 8, 12, 16 workers of one group started
 #          by `streamapp worker --processes N --gpu-executor shared`, the engine alone and
 #          the aiokafka relay at the same N;
@@ -76,7 +78,19 @@ elif [ "$PART" = profile ]; then
   scaleout profile-jpeg-n8 140 profile "group.initial.rebalance.delay.ms=3000" \
     --only resnet50-jpeg --ns 8 --ceilings "" --profile-procs gpu-server0,w0 --profile-s 10 \
     --budget-s 125
+elif [ "$PART" = jpeg2 ]; then
+  # Sixth session: camera JPEGs at N = 8 with the transport ceiling that carries what the
+  # workers carry (aiokafka relays that read each 62 kB frame and produce a 512 B result), the
+  # engine alone, and py-spy on the executor server and one worker under closed-loop load;
+  # then the same workers and relays on two Kafka nodes (is one broker node the limit?).
+  scaleout jpeg2-n8 260 jpeg2-n8 "group.initial.rebalance.delay.ms=3000" \
+    --only resnet50-jpeg --ns 8 --ceilings aiokafka --profile-procs gpu-server0,w0 \
+    --profile-s 10 --budget-s 240
+  export BENCH_KAFKA_NODES=2
+  scaleout jpeg2-n8-2nodes 200 jpeg2-n8-2nodes \
+    "group.initial.rebalance.delay.ms=3000" --only resnet50-jpeg --ns 8 --ceilings aiokafka \
+    --budget-s 185
 else
-  echo "unknown part $PART (hotpath, jpeg, groups, groups2 or profile)" >&2; exit 2
+  echo "unknown part $PART (hotpath, jpeg, groups, groups2, profile or jpeg2)" >&2; exit 2
 fi
 tar czf "$OUT/$PART.tgz" -C "$W" . 2>/dev/null

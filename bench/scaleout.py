@@ -87,6 +87,10 @@ class ScalePlan:
         mps_ns: N at which the worker run is repeated under CUDA MPS (GPU profile).
         engine: Also measure the engine alone (the min(engine, transport) target).
         producer: Extra aiokafka producer options of the load generator (large payloads).
+        relay_result_bytes: The ``aiokafka`` relays produce a value of this many bytes per
+            record read (0: the record's own value). Image workloads set about a result's
+            size, so that the ceiling carries what their workers carry: large requests in,
+            small results out (relaying each 62 kB frame again is twice the transport).
     """
 
     workload: str
@@ -114,6 +118,7 @@ class ScalePlan:
     engine: bool = False
     engine_s: float = 2.0
     producer: Mapping[str, Any] = field(default_factory=dict)
+    relay_result_bytes: int = 0
 
     def backlog(self, n: int, kind: str = "workers") -> int:
         """K for N processes of ``kind`` (``workers`` or a ceiling)."""
@@ -143,7 +148,9 @@ _RESNET_GPU = dict(backend="torch", batch=64, delay_ms=5.0, inflight=4, partitio
                    drain_timeout_s=30.0, ceilings=("aiokafka",),
                    ceiling_expect={"aiokafka": 600.0, "faust": 400.0},
                    ceiling_backlog_per_client={"aiokafka": 300, "faust": 300}, engine=True,
-                   producer={"max_request_size": 2 << 20, "max_batch_size": 1 << 20})
+                   producer={"max_request_size": 2 << 20, "max_batch_size": 1 << 20},
+                   # a ResNet-50 result (top 3 labels, ids, timings) is about 450 B of JSON
+                   relay_result_bytes=512)
 
 SCALE_PROFILES: dict[str, ScaleProfile] = {
     # CI: the scale-out code path at N = 1 and 2 with tiny counts (yet drains of ≥ 0.25 s
@@ -364,13 +371,15 @@ def launch_workers(fleet: Fleet, launcher: str, settings: Mapping[str, Any], n: 
 
 def launch_clients(fleet: Fleet, kind: str, n: int, broker: EmbeddedBroker, source: str,
                     sink: str, group: str, partitions: int, logs: Path, name: str,
-                    max_request: int) -> None:
-    """N ceiling clients of one group: ``aiokafka`` relays or ``faust`` forwarders."""
+                    max_request: int, relay_result_bytes: int = 0) -> None:
+    """N ceiling clients of one group: ``aiokafka`` relays (each record's value, or
+    ``relay_result_bytes`` bytes, forwarded) or ``faust`` forwarders."""
     for i in range(n):
         log_path = logs / f"{kind}-{name}-{i}.log"
         if kind == "aiokafka":
             child = Child([sys.executable, "-m", "bench.relay", broker.bootstrap_servers,
-                           source, sink, group, str(max_request)], {}, log_path)
+                           source, sink, group, str(max_request),
+                           str(relay_result_bytes)], {}, log_path)
             child.settings.pop("web_port", None)
         else:
             data_dir = logs / f"data-{group}-{i}"
@@ -700,7 +709,8 @@ class ScaleOut:
                 res = _run(_drain(
                     broker, [sink], k,
                     lambda: launch_clients(fleet, kind, n, broker, source, sink, group,
-                                            plan.partitions, self.logs, name, max_request),
+                                            plan.partitions, self.logs, name, max_request,
+                                            plan.relay_result_bytes),
                     fleet, plan.drain_timeout_s + 30.0, self.timeout))
                 res.pop("sampler").__exit__()
             finally:
