@@ -9,6 +9,7 @@
 #          N = 1, 8, 16 with the shared executor, and digits p99 at 70 % of saturation;
 # jpeg2:   camera JPEGs N = 8 with the small-result relay ceiling and py-spy, one and two
 #          Kafka nodes (sixth session);
+# jpeg3:   camera JPEGs N = 8, 16 against the decode + infer ceiling (sixth session);
 # jpeg:    ResNet-50 on camera JPEGs (nvJPEG), N = 1, 8, 12, 16 workers of one group started
 #          by `streamapp worker --processes N --gpu-executor shared`, the engine alone and
 #          the aiokafka relay at the same N;
@@ -90,7 +91,13 @@ elif [ "$PART" = jpeg2 ]; then
   scaleout jpeg2-n8-2nodes 200 jpeg2-n8-2nodes \
     "group.initial.rebalance.delay.ms=3000" --only resnet50-jpeg --ns 8 --ceilings aiokafka \
     --budget-s 185
+elif [ "$PART" = jpeg3 ]; then
+  # Sixth session, after the executor stopped packing and copying the placeholder rows of
+  # frames the engine decodes: camera JPEGs at N = 8 and 16 against the engine-level decode +
+  # infer ceiling and the small-result relays, one Kafka node.
+  scaleout jpeg3 340 jpeg3 "group.initial.rebalance.delay.ms=3000" \
+    --only resnet50-jpeg --ns 8,16 --ceilings aiokafka --budget-s 320
 else
-  echo "unknown part $PART (hotpath, jpeg, groups, groups2, profile or jpeg2)" >&2; exit 2
+  echo "unknown part $PART (hotpath, jpeg, groups, groups2, profile, jpeg2 or jpeg3)" >&2; exit 2
 fi
 tar czf "$OUT/$PART.tgz" -C "$W" . 2>/dev/null

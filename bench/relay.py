@@ -6,8 +6,9 @@ Run as a child process by the benchmark: ``python -m bench.relay BOOTSTRAP SOURC
 ``source`` as N workers would. Each record read is sent to ``sink`` with its key and value
 (``acks=all``, as the worker's producer) — or, with ``RESULT_BYTES`` > 0, with a value of that
 many bytes in place of its own: the transport a worker needs where its results are much smaller
-than its requests (a 62 kB camera frame in, a result of about 500 B out); offsets are auto-committed (a ceiling needs no delivery guarantee). SIGTERM
-stops it after flushing what was sent.
+than its requests (a 62 kB camera frame in, a result of about 500 B out). Offsets are
+auto-committed (a ceiling needs no delivery guarantee). SIGTERM stops it after flushing what
+was sent.
 """
 
 from __future__ import annotations

@@ -554,7 +554,9 @@ def format_scaleout(section: Mapping[str, Any], env: Mapping[str, Any] | None = 
                 f"{_f(closed):>10}  {limit}{flag}")
     for name, e in section.get("engine", {}).items():
         lines.append(f"engine alone ({name}, batch {e.get('batch')}): "
-                     f"{_f(e.get('items_per_s'))} items/s")
+                     f"{_f(e.get('items_per_s'))} items/s"
+                     + (f" decoding frames and inferring ({e['decode']['executor']}; the model "
+                        f"alone {_f(e.get('infer_items_per_s'))})" if e.get("decode") else ""))
     for msg in section.get("skipped", []):
         lines.append(f"SKIPPED: {msg}")
     for msg in section.get("failed", []):

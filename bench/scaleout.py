@@ -720,7 +720,7 @@ class ScaleOut:
 
     def engine(self, plan: ScalePlan) -> dict[str, Any]:
         return engine_ceiling(self._wl(plan), plan.backend, plan.batch, plan.engine_s,
-                              self.log)
+                              self.log, inflight=plan.inflight)
 
 
 def server_batches(sockets: Sequence[str]) -> dict[str, dict[str, Any]]:

@@ -9,7 +9,7 @@ time on its own stream: what a GPU backend's synchronous ``infer()`` does, and t
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import numpy as np
@@ -118,15 +118,21 @@ def enqueue_batch(
     device: DeviceIO,
     batch: int,
     marks: tuple[Any, Any, Any, Any] | None = None,
+    *,
+    skip_inputs: Collection[str] = (),
 ) -> None:
     """Enqueue H2D of every input → ``context.enqueue(batch)`` → D2H of every output.
 
     ``marks``, when given, are four timing events recorded before H2D, after H2D, after the
-    compute and after D2H (the executor's timeline).
+    compute and after D2H (the executor's timeline). ``skip_inputs``: inputs whose rows the
+    context writes on the device itself (every row a frame it decodes): their host staging
+    holds nothing, so no H2D copy (ResNet-50 at batch 64: 19 MB a batch not copied).
     """
     if marks:
         marks[0].record(stream)
     for spec in engine.inputs:
+        if spec.name in skip_inputs:
+            continue
         memcpy_htod_async(
             device.buffers[spec.name].ptr,
             host.ptr(spec.name),

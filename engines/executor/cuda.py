@@ -449,12 +449,15 @@ class CudaExecutor(Executor):
         completion on the loop before handing the batch to the waiter thread."""
         slot, lane = job.slot, job.slot.lane
         staged: StagedBatch | None = None
+        filled: frozenset[str] = frozenset()
         try:
             if supports_gpu_images(self.engine):  # frames the engine decodes itself
                 staged = stage_encoded(items, self.engine.inputs)
                 items = staged.items
+                filled = staged.filled(len(items))
             for spec in self.engine.inputs:
-                pack_items(items, spec, out=slot.host_io.inputs[spec.name])
+                if spec.name not in filled:
+                    pack_items(items, spec, out=slot.host_io.inputs[spec.name])
         except EngineError as exc:
             self._finish(job, None, exc)
             return
@@ -474,6 +477,7 @@ class CudaExecutor(Executor):
                     lane.device_io,
                     job.size,
                     slot.marks,
+                    skip_inputs=filled,
                 )
                 slot.done.record(lane.stream)
             except BaseException as exc:

@@ -120,6 +120,12 @@ class StagedBatch:
     items: list[Mapping[str, np.ndarray]]
     images: dict[str, list[tuple[int, EncodedImage]]]
 
+    def filled(self, rows: int) -> frozenset[str]:
+        """The inputs whose every one of ``rows`` rows is a frame: the engine writes them
+        whole on its device, so the executor neither packs their placeholders nor copies
+        them host → device."""
+        return frozenset(name for name, frames in self.images.items() if len(frames) == rows)
+
 
 def stage_encoded(items: Sequence[Mapping[str, Any]], inputs: Sequence[TensorSpec]) -> StagedBatch:
     """Take the :class:`EncodedImage` values out of a batch's items (see :class:`StagedBatch`)."""

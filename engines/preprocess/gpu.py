@@ -175,10 +175,16 @@ class GpuImageWriter:
         groups: dict[tuple[tuple[int, ...], int], list[int]] = {}
         for i, ((_, frame), pixels) in enumerate(zip(frames, decoded, strict=True)):
             groups.setdefault((tuple(pixels.shape), frame.info.orientation), []).append(i)
-        item = out.shape[1:]
+        item = tuple(out.shape[1:])
         for (_, orientation), members in groups.items():
             stack = torch.stack([decoded[i] for i in members]) if len(members) > 1 else \
                 decoded[members[0]][None]
-            result = self.transform(stack, orientation)
-            for j, i in enumerate(members):
-                out[frames[i][0]].copy_(result[j].reshape(item))
+            result = self.transform(stack, orientation).reshape(len(members), *item)
+            rows = [frames[i][0] for i in members]
+            # One copy per group, not one per frame: a camera's frames (one size, one
+            # orientation) fill rows 0..n-1 in order, a slice; other groups scatter.
+            if rows == list(range(rows[0], rows[0] + len(rows))):
+                out[rows[0]:rows[0] + len(rows)].copy_(result)
+            else:
+                index = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
+                out.index_copy_(0, index, result)
