@@ -77,7 +77,8 @@ def engine_ceiling(wl: Workload, backend: str, batch: int, seconds: float,
                        items_per_s=decoded["items_per_s"], mode="decode + infer")
             log(f"  engine ceiling with decoding: {decoded['items_per_s']:,.0f} images/s "
                 f"(nvJPEG + pre-processing + the model, {decoded['executor']}; "
-                f"{decoded['cpu_us_per_item']:.0f} µs CPU per image)")
+                f"{decoded['cpu_us_per_item']:.0f} µs CPU per image, GPU "
+                f"{decoded['gpu_util_pct'] or 0:.0f} % busy)")
     return out
 
 
@@ -91,11 +92,13 @@ def decode_infer_ceiling(wl: Workload, backend: str, batch: int, seconds: float,
 
     Returns:
         ``items_per_s`` (images/s over ``seconds``), ``cpu_us_per_item`` (this process's CPU
-        time per image, µs), ``executor``; None where ``backend`` does not decode frames on a
+        time per image, µs), ``gpu_util_pct`` (NVML's, the mean after the first second; None
+        where it cannot be read), ``executor``; None where ``backend`` does not decode frames on a
         device here (CPU, no torchvision).
     """
     import asyncio
 
+    from bench.procs import Sampler
     from bench.workloads import camera_jpegs
     from engines.preprocess import EncodedImage, inspect_jpeg
     from streamapp.models import ModelRepository
@@ -137,10 +140,14 @@ def decode_infer_ceiling(wl: Workload, backend: str, batch: int, seconds: float,
             finally:
                 await executor.close()
 
-        done, wall, cpu = asyncio.run(run())
+        with Sampler({}) as sampler:
+            t0 = time.time()
+            done, wall, cpu = asyncio.run(run())
+            gpu = sampler.summary(t0 + 1.0, time.time()).get("gpu_util_pct")
     finally:
         engine.close()
     return {"items_per_s": done / wall, "cpu_us_per_item": 1e6 * cpu / max(1, done),
+            "gpu_util_pct": gpu,
             "executor": f"{streams} streams, {inflight} batches in flight, batch {batch}"}
 
 

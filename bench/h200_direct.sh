@@ -10,6 +10,7 @@
 # jpeg2:   camera JPEGs N = 8 with the small-result relay ceiling and py-spy, one and two
 #          Kafka nodes (sixth session);
 # jpeg3:   camera JPEGs N = 8, 16 against the decode + infer ceiling (sixth session);
+# tensors: camera JPEGs N = 16 with K = 48,000, ResNet-50 tensors N = 16 (sixth session);
 # jpeg:    ResNet-50 on camera JPEGs (nvJPEG), N = 1, 8, 12, 16 workers of one group started
 #          by `streamapp worker --processes N --gpu-executor shared`, the engine alone and
 #          the aiokafka relay at the same N;
@@ -97,7 +98,16 @@ elif [ "$PART" = jpeg3 ]; then
   # infer ceiling and the small-result relays, one Kafka node.
   scaleout jpeg3 340 jpeg3 "group.initial.rebalance.delay.ms=3000" \
     --only resnet50-jpeg --ns 8,16 --ceilings aiokafka --budget-s 320
+elif [ "$PART" = tensors ]; then
+  # Sixth session: camera JPEGs at N = 16 with a drain long enough for NVML's GPU busy
+  # (K = 48,000), and ResNet-50 fp16 tensors (301 kB requests) at N = 16, each against
+  # its engine ceiling and the small-result relays at the largest N, one Kafka node.
+  scaleout tensors-jpeg 215 tensors-jpeg "group.initial.rebalance.delay.ms=3000" \
+    --only resnet50-jpeg --ns 16 --ceilings aiokafka --budget-s 205
+  scaleout tensors 165 tensors "group.initial.rebalance.delay.ms=3000" \
+    --only resnet50-tensor --ns 16 --ceilings aiokafka --budget-s 155
 else
-  echo "unknown part $PART (hotpath, jpeg, groups, groups2, profile, jpeg2 or jpeg3)" >&2; exit 2
+  echo "unknown part $PART (hotpath, jpeg, groups, groups2, profile, jpeg2, jpeg3 or tensors)" >&2
+  exit 2
 fi
 tar czf "$OUT/$PART.tgz" -C "$W" . 2>/dev/null

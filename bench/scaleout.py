@@ -174,14 +174,20 @@ SCALE_PROFILES: dict[str, ScaleProfile] = {
                   backlog_per_worker=12_000, backlog_max=192_000, expect_per_worker=4_000.0,
                   drain_timeout_s=30.0, ceiling_expect={"aiokafka": 15_000.0, "faust": 2_500.0},
                   ceiling_backlog_per_client={"aiokafka": 20_000, "faust": 3_000}),
+        # (2026-12-03, sixth session: with the shared executor 3,000 requests drained too fast
+        # to time, so K grows with N; 301 kB a request, 3.6 GB at K = 12,000)
         ScalePlan("resnet50-tensor", ns=(1, 2, 4, 8, 12),  # type: ignore[arg-type]
-                  mps_ns=(2, 4, 8, 12), **_RESNET_GPU),
+                  **{**_RESNET_GPU, "mps_ns": (2, 4, 8, 12), "backlog_per_worker": 750,
+                     "backlog_max": 12_000, "expect_per_worker": 500.0,
+                     "ceiling_backlog_per_client": {"aiokafka": 1_500, "faust": 300}}),
         # camera JPEGs decoded on the GPU (issue 11); run it with --only resnet50-jpeg
         # (issue 17: on Apache Kafka, a backlog long enough for batches to fill, MPS at N = 8)
-        # (2026-12-03: N up to 16, K up to 24,000: the shared executor drained 12,000 at N=8
-        # in under 2 s, and 1,500 per relay client drained too fast to time)
+        # (2026-12-03: N up to 16, K up to 48,000: the shared executor drained 12,000 at N=8
+        # in 1.5 s, too short for NVML's GPU busy sampled every 0.25 s; 1,500 per relay client
+        # drained too fast to time)
         ScalePlan("resnet50-jpeg", ns=(1, 4, 8, 12, 16),  # type: ignore[arg-type]
-                  **{**_RESNET_GPU, "backlog_per_worker": 1_500, "backlog_max": 24_000,
+                  **{**_RESNET_GPU, "backlog_per_worker": 3_000, "backlog_max": 48_000,
+                     "expect_per_worker": 500.0,
                      "mps_ns": (8,),
                      # 300 per relay drained in under 0.5 s at N=8 (too short to time)
                      "ceiling_backlog_per_client": {"aiokafka": 2_000, "faust": 300}}),
