@@ -33,7 +33,8 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+import weakref
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 from pathlib import Path
@@ -162,6 +163,16 @@ class _Pending:
     slot: int
 
 
+def _free_slots(slots: list[shared_memory.SharedMemory]) -> None:
+    """Close and unlink a client's shared-memory slots (its owner: the server only maps them)."""
+    for shm in slots:
+        with contextlib.suppress(BufferError, OSError):
+            shm.close()  # BufferError: a view is still alive; the mapping goes with it
+        with contextlib.suppress(FileNotFoundError, OSError):
+            shm.unlink()
+    slots.clear()
+
+
 class SharedExecutor(Executor):
     """Runs one model's batches on an :class:`~engines.server.ExecutorServer` (module
     docstring). Connects in ``__init__``.
@@ -211,6 +222,7 @@ class SharedExecutor(Executor):
         self._pending: dict[int, _Pending] = {}
         self._ids = itertools.count()
         self._slots: list[shared_memory.SharedMemory] = []
+        self._unlink: Callable[[], Any] = lambda: None
         self._free: collections.deque[int] = collections.deque(range(max_inflight))
         self._sem: asyncio.Semaphore | None = None
         self._inflight = 0
@@ -308,9 +320,17 @@ class SharedExecutor(Executor):
 
     def _create_slots(self) -> None:
         token = uuid.uuid4().hex[:8]
+        slots: list[shared_memory.SharedMemory] = []
+        # Unlinked by close(), else when this object is collected or the process exits: a
+        # worker's shutdown can end before its models are closed (Faust stops the agents),
+        # and then every segment stayed in /dev/shm until Python's resource tracker removed
+        # it with a "leaked shared_memory objects" warning (16 of 16 workers on the H200,
+        # 2026-12-03).
+        self._unlink = weakref.finalize(self, _free_slots, slots)
+        self._slots = slots
         try:
             for i in range(self.max_inflight):
-                self._slots.append(shared_memory.SharedMemory(
+                slots.append(shared_memory.SharedMemory(
                     name=f"streamapp-{os.getpid()}-{token}-{i}", create=True,
                     size=self.slot_bytes))
         except OSError as exc:  # e.g. /dev/shm too small: payloads go through the socket
@@ -319,12 +339,8 @@ class SharedExecutor(Executor):
             self._release_slots()
 
     def _release_slots(self) -> None:
-        for shm in self._slots:
-            with contextlib.suppress(BufferError, OSError):
-                shm.close()
-            with contextlib.suppress(FileNotFoundError, OSError):
-                shm.unlink()
-        self._slots.clear()
+        self._unlink()  # once: a finalizer runs at most once
+        self._slots = []
 
     def _read_loop(self, sock: socket.socket, generation: int) -> None:
         reason: BaseException | None = None
