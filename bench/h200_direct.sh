@@ -11,6 +11,7 @@
 #          Kafka nodes (sixth session);
 # jpeg3:   camera JPEGs N = 8, 16 against the decode + infer ceiling (sixth session);
 # tensors: camera JPEGs N = 16 with K = 48,000, ResNet-50 tensors N = 16 (sixth session);
+# tprofile: py-spy on a worker and the server, ResNet-50 tensors at N = 8 (sixth session);
 # jpeg:    ResNet-50 on camera JPEGs (nvJPEG), N = 1, 8, 12, 16 workers of one group started
 #          by `streamapp worker --processes N --gpu-executor shared`, the engine alone and
 #          the aiokafka relay at the same N;
@@ -106,8 +107,15 @@ elif [ "$PART" = tensors ]; then
     --only resnet50-jpeg --ns 16 --ceilings aiokafka --budget-s 205
   scaleout tensors 165 tensors "group.initial.rebalance.delay.ms=3000" \
     --only resnet50-tensor --ns 16 --ceilings aiokafka --budget-s 155
+elif [ "$PART" = tprofile ]; then
+  # Sixth session: why 16 workers answered ResNet-50 tensors at 0.29 of the relays: py-spy on
+  # one worker and the executor server under closed-loop load after an N = 8 drain.
+  scaleout tprofile 140 tprofile "group.initial.rebalance.delay.ms=3000" \
+    --only resnet50-tensor --ns 8 --ceilings "" --profile-procs w0,gpu-server0 --profile-s 8 \
+    --budget-s 125
 else
-  echo "unknown part $PART (hotpath, jpeg, groups, groups2, profile, jpeg2, jpeg3 or tensors)" >&2
+  echo "unknown part $PART (hotpath, jpeg, groups, groups2, profile, jpeg2, jpeg3, tensors or" \
+    "tprofile)" >&2
   exit 2
 fi
 tar czf "$OUT/$PART.tgz" -C "$W" . 2>/dev/null
