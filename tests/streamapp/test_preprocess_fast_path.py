@@ -104,13 +104,17 @@ def test_the_quick_path_answers_as_the_full_checks(
 @pytest.mark.parametrize(("dtype", "pixels"), [
     ("uint8", np.arange(64, dtype=np.uint8) % 17),
     ("float32", (np.arange(64, dtype=np.float32) % 17) / 16),
+    # a gateway's float16 tensors: checked after the exact cast (ResNet-50 fp16 on the H200)
+    ("float16", (np.arange(64, dtype=np.float32) % 17) / 16),
 ])
 def test_the_digits_workloads_take_the_quick_path(
     digits: ModelConfig, dtype: str, pixels: np.ndarray
 ) -> None:
-    plan = digits._tensor_plans[dtype]
+    config = dataclasses.replace(digits, request_dtypes=frozenset(ALLOWED_DTYPES))
+    plan = config._tensor_plans[dtype]
     assert plan.quiet and plan.kind in ("int", "float")
-    quick = digits._quick_input(plan, pixels.astype(dtype).tobytes())
+    assert plan.widen == (dtype == "float16")
+    quick = config._quick_input(plan, pixels.astype(dtype).tobytes())
     assert quick is not None
     np.testing.assert_array_equal(
         quick, (pixels.astype(np.float32) * np.float32(0.0625)).reshape(1, 8, 8), strict=True)
