@@ -736,22 +736,27 @@ def results_tail(
         async with ResultReader(
             settings.bootstrap_servers, settings.result_topic, security=security
         ) as reader:
-            from_end = ""
+            from_end = False
             if since_s is not None:
                 await reader.start_at_time(since_s)
             elif device is None and limit:
                 await reader.start_at_last(limit)  # else: a device's results may be anywhere
-                # a new-user trial read "3 shown of 38 matching (all) of 38 records read" as
-                # "the topic holds 38 results" (it held 1,797)
-                from_end = f" (the last {limit} of each partition)"
+                # new-user trials read "3 shown of 38 matching (all) of 38 records read" as
+                # "the topic holds 38 results" (it held 1,797), and then "(the last 50 of
+                # each partition)" after "601 matching" as a count of the topic still
+                from_end = True
             described = " ".join(
                 ([f"device={device}"] if device is not None else [])
                 + ([f"since={iso_utc(since_s)}"] if since_s is not None else [])
             ) or "all"
 
             def summary(shown: int, matching: int, read: int) -> str:
+                if from_end:
+                    return (f"{shown} shown of {matching} matching ({described}) in the last "
+                            f"{limit} records of each partition of {settings.result_topic} "
+                            f"({read} read; -n 0 reads the whole topic)")
                 return (f"{shown} shown of {matching} matching ({described}) of {read} "
-                        f"records read from {settings.result_topic}{from_end}")
+                        f"records read from {settings.result_topic}")
 
             await _print_tail(
                 reader, keep=lambda e: device is None or e.device == device,

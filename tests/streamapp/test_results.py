@@ -181,8 +181,8 @@ async def test_records_that_are_not_results_get_a_line_each(
     assert lines[5].split()[:2] == ["cam-2", "5"]
     assert len(lines) == 6
     # read from the end: says how far back (a user read "38 records read" as the topic's size)
-    assert (f"5 shown of 5 matching (all) of 5 records read from {topics.result_topic} "
-            "(the last 50 of each partition)") in out.stderr
+    assert (f"5 shown of 5 matching (all) in the last 50 records of each partition of "
+            f"{topics.result_topic} (5 read; -n 0 reads the whole topic)") in out.stderr
 
 
 def test_an_expired_or_superseded_request_shows_its_outcome_as_the_label() -> None:
