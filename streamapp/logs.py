@@ -83,5 +83,9 @@ def startup_block(settings: Settings, models: Mapping[str, Any]) -> str:
             lines.append(f"  {'':8} queue policy: {policy}")
     chosen = sorted({m.info.backend for m in models.values()})
     backend = s.backend if chosen == [s.backend] else f"{s.backend} ({', '.join(chosen)})"
+    if s.gpu_executor == "shared":  # the engines run in the executor server, not here
+        from streamapp.gpu_server import server_socket
+
+        backend += f", in the shared executor server at {server_socket(s)}"
     lines += [f"  backend  {backend}", f"  data dir {s.data_dir.absolute()}"]
     return "\n".join(lines)

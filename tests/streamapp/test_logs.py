@@ -92,3 +92,15 @@ def test_startup_block_shows_each_models_queue_policy_and_the_guarantee(tmp_path
         "           queue policy: max age 200 ms, latest frame",
         "           digits v1 onnxruntime-1.32.0:1ec95d21 (cpu, fp32, max batch 64)",
     ]  # the bundled digits has no queue policy: no line
+
+
+def test_startup_block_of_a_shared_executor_worker_names_the_server(tmp_path: Path) -> None:
+    # a new-user trial read "backend auto (onnxruntime)" as the worker running its own engine
+    socket = str(tmp_path / "gpu.sock")
+    settings = load_settings(data_dir=tmp_path, backend="auto", gpu_executor="shared",
+                             gpu_server_socket=socket)
+    info = EngineInfo(backend="onnxruntime", model_path="m.onnx", model_sha256="1ec95d21" * 8,
+                      version="1.32.0", device="cpu", precision="fp32", max_batch_size=64)
+    lines = startup_block(settings, {"digits": SimpleNamespace(info=info)}).splitlines()
+
+    assert f"  backend  auto (onnxruntime), in the shared executor server at {socket}" in lines
