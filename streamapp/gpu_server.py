@@ -66,18 +66,18 @@ async def _serve(settings: Settings, models: dict[str, LoadedModel], path: str) 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await server.start()
-    log.warning("gpu-server ready at %s (pid %d): %s, batch delay %.1f ms", path, os.getpid(),
-                ", ".join(f"{n} {m.info.tag} on {m.info.device}" for n, m in models.items()),
-                settings.gpu_server_batch_delay_ms)
+    log.info("gpu-server ready at %s (pid %d): %s, batch delay %.1f ms", path, os.getpid(),
+             ", ".join(f"{n} {m.info.tag} on {m.info.device}" for n, m in models.items()),
+             settings.gpu_server_batch_delay_ms)
     try:
         await stop.wait()
     finally:
         await server.close()
         for name, stats in server.stats.items():
             s = stats.as_dict()
-            log.warning("gpu-server %s: %d batches, %d rows, mean batch %.1f, %d merged from "
-                        "%d client batches", name, s["batches"], s["rows"], s["mean_batch"],
-                        s["merged"], s["sub_batches"])
+            log.info("gpu-server %s: %d batches, %d rows, mean batch %.1f, %d merged from "
+                     "%d client batches", name, s["batches"], s["rows"], s["mean_batch"],
+                     s["merged"], s["sub_batches"])
         for model in models.values():
             await model.executor.close()
             model.executor.engine.close()
@@ -97,6 +97,7 @@ def run_gpu_server(settings: Settings) -> int:
 
     logging.basicConfig(level=logging.WARNING,
                         format="[%(asctime)s] [%(process)d] [%(levelname)s] %(message)s")
+    log.setLevel(logging.INFO)  # its own lifecycle lines; libraries stay at WARNING
     sys.setswitchinterval(settings.gil_switch_interval_ms / 1000.0)
     path = server_socket(settings)
     models = load_local_models(settings)
