@@ -112,14 +112,17 @@ def decode_infer_ceiling(wl: Workload, backend: str, batch: int, seconds: float,
     executor = _make_executor(backend, str(config.path), settings,
                               config.engine_options(backend))
     engine = executor.engine
-    try:
-        if configure_engine_images(config, engine) is not None:
-            return None
-        frames = [EncodedImage.from_bytes(j, inspect_jpeg(j))  # type: ignore[arg-type]
-                  for j in camera_jpegs()]
-        items: list[Any] = [{config.input_name: frames[i % len(frames)]} for i in range(batch)]
+    frames = [EncodedImage.from_bytes(j, inspect_jpeg(j))  # type: ignore[arg-type]
+              for j in camera_jpegs()]
+    items: list[Any] = [{config.input_name: frames[i % len(frames)]} for i in range(batch)]
+    decodes = configure_engine_images(config, engine) is None
 
-        async def measure() -> tuple[int, float, float]:
+    async def measure() -> tuple[int, float, float]:
+        """Warm up, then ``max_inflight`` clients run batches for ``seconds``; closes the
+        executor either way. Returns (images, wall s, CPU s)."""
+        try:
+            if not decodes:
+                return 0, 0.0, 0.0
             for _ in range(2 * executor.max_inflight):
                 await executor.run(items)
             done, end = 0, time.perf_counter() + seconds
@@ -133,19 +136,18 @@ def decode_infer_ceiling(wl: Workload, backend: str, batch: int, seconds: float,
 
             await asyncio.gather(*(client() for _ in range(executor.max_inflight)))
             return done, time.perf_counter() - t0, time.process_time() - cpu0
+        finally:
+            await executor.close()
 
-        async def run() -> tuple[int, float, float]:
-            try:
-                return await measure()
-            finally:
-                await executor.close()
-
+    try:
         with Sampler({}) as sampler:
             t0 = time.time()
-            done, wall, cpu = asyncio.run(run())
+            done, wall, cpu = asyncio.run(measure())
             gpu = sampler.summary(t0 + 1.0, time.time()).get("gpu_util_pct")
     finally:
         engine.close()
+    if not decodes:
+        return None
     return {"items_per_s": done / wall, "cpu_us_per_item": 1e6 * cpu / max(1, done),
             "gpu_util_pct": gpu,
             "executor": f"{streams} streams, {inflight} batches in flight, batch {batch}"}
