@@ -3,14 +3,17 @@ tests on both brokers (tests/integration) and on Apache Kafka only (tests/kafka)
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
+
+from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from streamapp.process import WorkerProcess
 from streamapp.settings import Settings, load_settings
 from tests.conftest import Broker
 
-__all__ = ["device_totals", "fresh_settings", "metric", "start_worker"]
+__all__ = ["committed_and_ends", "device_totals", "fresh_settings", "metric", "start_worker"]
 
 
 def device_totals(worker: WorkerProcess, devices: list[str]) -> dict[str, int | None]:
@@ -53,3 +56,24 @@ def metric(worker: WorkerProcess, name: str) -> float | None:
             if sample.name == name and not sample.labels:
                 return float(sample.value)
     return None
+
+
+async def committed_and_ends(bootstrap: str, group: str, topic: str, partitions: int
+                             ) -> tuple[dict[int, int | None], dict[int, int | None]]:
+    """``group``'s committed offset and the end (the fetch high watermark: Tansu's ListOffsets
+    is wrong after multi-record batches, docs/broker.md) of each partition of ``topic``."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=group,
+                                enable_auto_commit=False)
+    await consumer.start()
+    try:
+        tps = [TopicPartition(topic, p) for p in range(partitions)]
+        consumer.assign(tps)
+        await consumer.seek_to_beginning(*tps)
+        deadline = time.monotonic() + 30
+        while any(consumer.highwater(tp) is None for tp in tps) and time.monotonic() < deadline:
+            await consumer.getmany(timeout_ms=200)
+        ends = {tp.partition: consumer.highwater(tp) for tp in tps}
+        committed = {tp.partition: await consumer.committed(tp) for tp in tps}
+        return committed, ends
+    finally:
+        await consumer.stop()

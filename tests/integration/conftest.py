@@ -19,14 +19,17 @@ from streamapp.settings import Settings, load_settings
 from tests.conftest import Broker
 
 
-def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-    """Poll ``condition`` every 0.2 s until it holds; fail naming ``what`` after ``timeout_s``."""
+def wait_for(condition: Callable[[], bool], timeout_s: float, what: str,
+             seen: Callable[[], object] | None = None) -> None:
+    """Poll ``condition`` every 0.2 s until it holds; fail naming ``what`` after ``timeout_s``
+    (and what ``seen()`` returns then: the values the condition looked at)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if condition():
             return
         time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+    detail = f"; seen: {seen()!r}" if seen is not None else ""
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}{detail}")
 
 
 @pytest.fixture(autouse=True)

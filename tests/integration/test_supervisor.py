@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from engines.server import query_stats
 from streamapp.broker import EmbeddedBroker
@@ -29,6 +28,7 @@ from streamapp.datadir import LOCK_NAME
 from streamapp.process import WorkerProcess
 from streamapp.settings import Settings
 from streamapp.supervisor import read_state
+from tests.partition_workers import committed_and_ends
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -108,27 +108,6 @@ async def _until(what: str, check: Any, proc: subprocess.Popen[bytes], tmp_path:
         await asyncio.sleep(0.2)
 
 
-async def _committed_and_ends(bootstrap: str, settings: Settings) -> tuple[dict[int, int | None],
-                                                                          dict[int, int | None]]:
-    """The group's committed offset and the end (fetch high watermark: Tansu's ListOffsets is
-    wrong after multi-record batches, docs/broker.md) of each request partition."""
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=settings.app_id,
-                                enable_auto_commit=False)
-    await consumer.start()
-    try:
-        tps = [TopicPartition(settings.request_topic, p) for p in range(settings.topic_partitions)]
-        consumer.assign(tps)
-        await consumer.seek_to_beginning(*tps)
-        deadline = time.monotonic() + 30
-        while any(consumer.highwater(tp) is None for tp in tps) and time.monotonic() < deadline:
-            await consumer.getmany(timeout_ms=200)
-        ends = {tp.partition: consumer.highwater(tp) for tp in tps}
-        committed = {tp.partition: await consumer.committed(tp) for tp in tps}
-        return committed, ends
-    finally:
-        await consumer.stop()
-
-
 async def test_two_supervised_workers_survive_a_sigkill_and_drain_on_sigterm(
     kafka_broker: EmbeddedBroker, worker_settings: Settings, tmp_path: Path,
     supervised: subprocess.Popen[bytes],
@@ -178,7 +157,8 @@ async def test_two_supervised_workers_survive_a_sigkill_and_drain_on_sigterm(
     assert [c["state"] for c in final] == ["stopped", "stopped"]
     assert [c["last_exit"] for c in final] == [0, 0]
     assert [c["restarts"] for c in final] == [0, 1]
-    committed, ends = await _committed_and_ends(bootstrap, settings)
+    committed, ends = await committed_and_ends(bootstrap, settings.app_id, settings.request_topic,
+                                               settings.topic_partitions)
     assert sum(v or 0 for v in ends.values()) == total
     assert committed == ends
 

@@ -12,7 +12,13 @@ from streamapp.client import collect_outcomes, digits_requests, load_digits_fram
 from streamapp.kafka import add_partitions
 from tests.conftest import Broker
 from tests.integration.conftest import wait_for
-from tests.partition_workers import device_totals, fresh_settings, metric, start_worker
+from tests.partition_workers import (
+    committed_and_ends,
+    device_totals,
+    fresh_settings,
+    metric,
+    start_worker,
+)
 
 pytestmark = [pytest.mark.kafka, pytest.mark.apache_kafka, pytest.mark.slow]
 
@@ -58,6 +64,9 @@ async def test_partitions_added_while_running_are_read_and_the_rebuild_keeps_eve
         assert worker.process.poll() is None, worker.log_tail()
         status, ready = worker.get("/ready")
         assert status == 503 and ready["checks"]["table_partitions_match"] is False, ready
+    # a clean stop commits every answered request: none is answered (and counted) again
+    committed, ends = await committed_and_ends(bootstrap, app_id, settings.request_topic, 24)
+    assert committed == ends and sum(v or 0 for v in ends.values()) == 40 * 8, (committed, ends)
     log = worker.log_path.read_text()
     errors = [line for line in log.splitlines() if "now has 24 partitions, the tables 16" in line]
     assert len(errors) == 1, log[-4000:]
@@ -81,14 +90,17 @@ async def test_partitions_added_while_running_are_read_and_the_rebuild_keeps_eve
     assert result.exit_code == 0, result.output
     assert "have 24 partitions" in result.output
 
-    again = start_worker(settings, tmp_path, **extra)  # the first worker's data dir
+    # the first worker's data dir, a log of its own
+    again = start_worker(settings, tmp_path, name="again", data_dir=tmp_path / "data-w", **extra)
     with again:
         again.wait_ready()
         # updates made while degraded were skipped (and counted); the totals before are kept
         assert set(device_totals(again, devices).values()) == {3}
         await send(2, "after")
         wait_for(lambda: set(device_totals(again, devices).values()) == {5}, 60,
-                 "every device's total to be 5")
+                 "every device's total to be 5",
+                 seen=lambda: (device_totals(again, devices), again.get("/ready"),
+                               again.log_tail()))
         assert again.get("/ready")[0] == 200
         assert metric(again, "streamapp_state_degraded") == 0.0
     assert "dropped the local tables" in again.log_path.read_text()
