@@ -94,6 +94,11 @@ def main(argv: list[str] | None = None) -> int:
                      help="py-spy on each rung for S seconds of its drain (needs py-spy)")
     hot.add_argument("--profile-after-s", type=float, default=8.0, metavar="S",
                      help="start that profile S seconds after the rung's launch")
+    hot.add_argument("--rate", type=float, default=None, metavar="R",
+                     help="instead of a backlog: send the requests at R/s while each rung "
+                     "runs (after a warm-up), the CPU per record below saturation")
+    hot.add_argument("--warmup", type=int, default=2_000, metavar="N",
+                     help="with --rate: requests drained before the paced ones")
     iso = sub.add_parser("isolation", help="inference latency with and without a web flood "
                          "or a failing stream, side by side in one run (issue 19)")
     iso.add_argument("--scenarios", default=",".join(SCENARIOS),
@@ -183,6 +188,8 @@ def _hotpath(args: argparse.Namespace, parser: argparse.ArgumentParser,
     if unknown or not rungs:
         parser.error(f"--rungs: unknown {', '.join(unknown) or '(none given)'}; "
                      f"use {', '.join(RUNGS)}")
+    if args.rate is not None and args.rate <= 0:
+        parser.error(f"--rate {args.rate:g}: must be above 0 records/s")
     if args.uvloop:
         try:
             import uvloop  # noqa: F401
@@ -197,7 +204,8 @@ def _hotpath(args: argparse.Namespace, parser: argparse.ArgumentParser,
     config = HotpathConfig(requests=args.requests, broker=args.broker, rungs=rungs,
                            uvloop=args.uvloop, worker_env=env,
                            yardstick_batch=args.yardstick_batch, profile_s=args.profile_s,
-                           profile_after_s=args.profile_after_s)
+                           profile_after_s=args.profile_after_s, rate=args.rate,
+                           warmup=args.warmup)
     # SIGTERM (an outer `timeout`) unwinds like Ctrl-C: the broker and the child are stopped
     # and what was measured is already written.
     signal.signal(signal.SIGTERM, lambda _sig, _frame: sys.exit(128 + signal.SIGTERM))

@@ -37,6 +37,7 @@ import numpy as np
 import psutil
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
+from bench import load
 from bench.common import produce_backlog
 from bench.procs import (
     BrokerKind,
@@ -89,6 +90,13 @@ class HotpathConfig:
         profile_s: Seconds of ``py-spy record`` on each rung's process during its drain
             (0: none), started ``profile_after_s`` after the launch (past the start-up).
         profile_after_s: Seconds from a rung's launch to the start of its profile.
+        rate: None: the backlog of ``requests`` is produced before the rung starts. A rate
+            (records/s): ``warmup`` requests are produced before it starts, and once their
+            outputs are all out, ``requests`` more are sent at ``rate`` while it runs (each
+            scheduled, as :func:`bench.load.open_loop` sends); CPU per record is then measured
+            over those, the cost at a rate below saturation (the open loop's fetches are
+            small: issue 17's p99 level).
+        warmup: Requests drained before a paced window (the rung's start-up and group join).
     """
 
     requests: int = 30_000
@@ -104,6 +112,8 @@ class HotpathConfig:
     yardstick_batch: int | None = None
     profile_s: float = 0.0
     profile_after_s: float = 8.0
+    rate: float | None = None
+    warmup: int = 2_000
 
     def worker_settings(self) -> dict[str, Any]:
         """The worker's settings (name → value) before broker, topics and data directory."""
@@ -130,7 +140,8 @@ class HotpathConfig:
         """Longest a rung may take from launch to its last output (s): a start allowance
         plus K at 100 records/s (the worker on Apache Kafka on a busy 2-core machine:
         111/s)."""
-        return 60.0 + self.requests / 100.0
+        paced = 0.0 if self.rate is None else self.requests / self.rate
+        return 60.0 + (self.requests + self.warmup * (self.rate is not None)) / 100.0 + paced
 
 
 # -- measuring a drain -------------------------------------------------------------------------
@@ -158,10 +169,13 @@ def _cpu_s(procs: Sequence[psutil.Process]) -> float:
 async def measure_drain(bootstrap: str, topics: Sequence[str], k: int,
                         pids: Mapping[str, int], *, measured: str, timeout_s: float,
                         dead: Callable[[], str | None] = lambda: None,
-                        batch_sizes: bool = False) -> dict[str, Any]:
+                        batch_sizes: bool = False, skip: int = 0,
+                        window: asyncio.Event | None = None) -> dict[str, Any]:
     """Read ``topics`` from the beginning until ``k`` records came (or ``timeout_s``, or
     ``dead()`` names a reason); time the first → last fetch that returned records and sample
     the CPU of each of ``pids`` (name → pid, with its child processes) at each such fetch.
+    With ``skip``, the span starts at the fetch that brought the ``skip``-th record (and
+    ``window`` is set then: a paced sender starts on it).
 
     Args:
         bootstrap: Kafka bootstrap servers.
@@ -174,6 +188,8 @@ async def measure_drain(bootstrap: str, topics: Sequence[str], k: int,
         timeout_s: Longest wait (s) from the start of this call.
         dead: Returns why the measured process can no longer deliver (it exited), else None.
         batch_sizes: Parse each result's ``batch_size`` (:func:`bench.workloads.result_parse`).
+        skip: Records read before the span starts (a warm-up's outputs).
+        window: Set when the span starts.
 
     Returns:
         ``records``, ``complete``, ``first``/``last`` (epoch s of the fetches),
@@ -227,14 +243,16 @@ async def measure_drain(bootstrap: str, topics: Sequence[str], k: int,
                     count += len(records)
                     if tp.topic != topics[0]:
                         other += len(records)
-                    elif batch_sizes:
+                    elif batch_sizes and first is not None:
                         for record in records:
                             size = result_parse(record.value)[1] if record.value else None
                             if size is not None:
                                 sizes.append(size)
                 last = (now, count, cpu)
-                if first is None:
+                if first is None and count >= skip:
                     first = last
+                    if window is not None:
+                        window.set()
             if time.monotonic() > deadline:
                 stopped_by = f"timeout after {timeout_s:.0f} s"
                 break
@@ -312,11 +330,11 @@ class Hotpath:
             topics = topic_names(f"{app_id}.")
             bench_topics(broker, {t: cfg.partitions for t in topics.values()})
             started = time.time()
+            backlog = cfg.requests if cfg.rate is None else cfg.warmup
             failed = asyncio.run(produce_backlog(broker.bootstrap_servers, topics["request"],
-                                                 self.workload, cfg.requests))
+                                                 self.workload, backlog))
             if failed:
-                raise RuntimeError(f"{failed} of {cfg.requests} backlog requests failed to "
-                                   "send")
+                raise RuntimeError(f"{failed} of {backlog} backlog requests failed to send")
             produce_s = time.time() - started
             data_dir = self.logs / f"data-{app_id}"
             common = {"broker": broker.url, "broker_kind": kind_of(broker), "app_id": app_id,
@@ -349,12 +367,16 @@ class Hotpath:
 
             spy = _DelayedProfile(process.pid, cfg.profile_after_s, cfg.profile_s,
                                   self.logs / f"profile-{name}-{cfg.broker}.txt")
+            pids = {name: process.pid, "broker": broker.pid or 0, "collector": os.getpid()}
             try:
-                res = asyncio.run(measure_drain(
-                    broker.bootstrap_servers, outputs, cfg.requests,
-                    {name: process.pid, "broker": broker.pid or 0, "collector": os.getpid()},
-                    measured=name, timeout_s=cfg.drain_timeout_s(), dead=dead,
-                    batch_sizes=name == "product"))
+                if cfg.rate is None:
+                    res = asyncio.run(measure_drain(
+                        broker.bootstrap_servers, outputs, cfg.requests, pids, measured=name,
+                        timeout_s=cfg.drain_timeout_s(), dead=dead,
+                        batch_sizes=name == "product"))
+                else:
+                    res = asyncio.run(self._paced(broker.bootstrap_servers, topics["request"],
+                                                  outputs, pids, name, dead))
             finally:
                 profile = spy.result()
                 stopping = time.monotonic()
@@ -383,6 +405,47 @@ class Hotpath:
                                   "within_ms": cfg.delay_ms, "uvloop": cfg.uvloop}
         self.log("  " + format_rung(name, res, cfg.batch_bound))
         return res
+
+
+    async def _paced(self, bootstrap: str, request_topic: str, outputs: list[str],
+                     pids: dict[str, int], name: str, dead: Callable[[], str | None]
+                     ) -> dict[str, Any]:
+        """The warm-up's outputs, then ``requests`` sent at ``rate`` while they are measured."""
+        cfg = self.config
+        assert cfg.rate is not None
+        window = asyncio.Event()
+        sender = asyncio.create_task(_send_paced(bootstrap, request_topic, self.workload,
+                                                 cfg.rate, cfg.requests, window, cfg.warmup))
+        try:
+            res = await measure_drain(
+                bootstrap, outputs, cfg.warmup + cfg.requests, pids, measured=name,
+                timeout_s=cfg.drain_timeout_s(), dead=dead, batch_sizes=name == "product",
+                skip=cfg.warmup, window=window)
+        finally:
+            if not sender.done():
+                sender.cancel()
+            behind_ms = (await asyncio.gather(sender, return_exceptions=True))[0]
+        res["rate"] = cfg.rate
+        if isinstance(behind_ms, float):
+            res["sender_max_behind_ms"] = round(behind_ms, 1)
+        return res
+
+
+async def _send_paced(bootstrap: str, topic: str, wl: Workload, rate: float, n: int,
+                      start: asyncio.Event, first: int) -> float:
+    """Once ``start`` is set, send requests ``first`` .. ``first + n - 1`` of ``wl`` at
+    ``rate``/s on a schedule (``ts`` the scheduled time, as :func:`bench.load.open_loop`);
+    returns how far (ms) the sends fell behind the schedule at most."""
+    await start.wait()
+    producer = load._producer(bootstrap, {})
+    await producer.start()
+    try:
+        sender = load._Sender(producer, topic, wl.payload)
+        behind = await load.send_paced(sender, rate, n, time.time(), first)
+        await sender.flush()
+        return behind * 1000.0
+    finally:
+        await producer.stop()
 
 
 class _DelayedProfile:
@@ -425,10 +488,13 @@ class _DelayedProfile:
         return self.out
 
 
-def hotpath_ratios(rungs: Mapping[str, Mapping[str, Any]], bound: int) -> dict[str, Any]:
+def hotpath_ratios(rungs: Mapping[str, Mapping[str, Any]], bound: int,
+                   paced: bool = False) -> dict[str, Any]:
     """Issue 17's ratios (None where an input is missing), each with its target and whether
     it is met: ``cpu_per_record`` (product ÷ yardstick CPU µs per record), ``rate`` (product
-    ÷ yardstick records/s), ``batch_fill`` (the product's mean batch per result ÷ ``bound``)."""
+    ÷ yardstick records/s), ``batch_fill`` (the product's mean batch per result ÷ ``bound``).
+    ``paced``: the targets are the backlog's; at a paced rate ``cpu_per_record`` and ``rate``
+    are reported without one (``target`` and ``met`` None)."""
     y, p = rungs.get("yardstick", {}), rungs.get("product", {})
 
     def div(a: float | None, b: float | None) -> float | None:
@@ -440,6 +506,10 @@ def hotpath_ratios(rungs: Mapping[str, Mapping[str, Any]], bound: int) -> dict[s
         "batch_fill": div(p.get("mean_batch"), bound),
     }
     out: dict[str, Any] = {}
+    if paced:
+        del values["batch_fill"]
+        return {key: {"value": None if value is None else round(value, 3), "target": None,
+                      "op": "", "met": None} for key, value in values.items()}
     for key, value in values.items():
         op, bound_value = TARGETS[key]
         met = None if value is None else (value <= bound_value if op == "<=" else
@@ -493,7 +563,9 @@ def format_hotpath(results: Mapping[str, Any]) -> str:
     lines = [
         f"== hot path on {broker}: {cfg['requests']:,} digits requests "
         f"({results.get('payload_bytes', '?')} B, msgpack) from {cfg['devices']} devices, "
-        f"{cfg['partitions']} partitions, the backlog produced before the consumer starts",
+        f"{cfg['partitions']} partitions, " + (
+            "the backlog produced before the consumer starts" if cfg.get("rate") is None
+            else f"sent at {cfg['rate']:,.0f}/s once a warm-up of {cfg['warmup']:,} drained"),
         f"   {env.get('date_utc', '')}, {env.get('cpu', '')} × {env.get('cores', '?')}, "
         f"Python {env.get('python', '?')}, faust-streaming {env.get('faust-streaming', '?')}, "
         f"aiokafka {env.get('aiokafka', '?')}",
@@ -515,12 +587,16 @@ def format_hotpath(results: Mapping[str, Any]) -> str:
               "batch_fill": f"mean batch (per result) ÷ max_batch_size {bound}"}
     ratios = results.get("ratios", {})
     if ratios:
-        lines.append("  ratios (issue 17 targets):")
+        paced = cfg.get("rate") is not None
+        lines.append("  ratios" + (" (issue 17's targets are the backlog's; none at a paced "
+                                   "rate):" if paced else " (issue 17 targets):"))
         for key, label in labels.items():
-            r = ratios.get(key, {})
+            if key not in ratios:
+                continue
+            r = ratios[key]
             met = {True: "met", False: "MISSED", None: "not measured"}[r.get("met")]
-            lines.append(f"    {label} = {_f(r.get('value'), '.2f')} "
-                         f"(target {r.get('op', '')} {r.get('target', '')}: {met})")
+            lines.append(f"    {label} = {_f(r.get('value'), '.2f')}" + (
+                "" if paced else f" (target {r.get('op', '')} {r.get('target', '')}: {met})"))
     return "\n".join(lines)
 
 
@@ -546,7 +622,8 @@ def run_hotpath(config: HotpathConfig, out: Path, *, log: Log = print,
         "max_batch_size": config.batch_bound, "delay_ms": config.delay_ms, "rungs": {},
     }
     results["config"]["worker_env"] = dict(config.worker_env)
-    log(f"== hot path on {broker}: {config.requests:,} requests, rungs "
+    log(f"== hot path on {broker}: {config.requests:,} requests"
+        + ("" if config.rate is None else f" at {config.rate:,.0f}/s") + ", rungs "
         f"{', '.join(config.rungs)}")
     for name in config.rungs:
         try:
@@ -555,7 +632,8 @@ def run_hotpath(config: HotpathConfig, out: Path, *, log: Log = print,
             log(f"  {name}: FAILED: {type(exc).__name__}: {exc}")
             results["rungs"][name] = {"error": f"{type(exc).__name__}: {exc}"}
         # After every rung: a run killed by an outer time limit keeps what it measured.
-        results["ratios"] = hotpath_ratios(results["rungs"], config.batch_bound)
+        results["ratios"] = hotpath_ratios(results["rungs"], config.batch_bound,
+                                           paced=config.rate is not None)
         (out / "bench.json").write_text(_dumps(results))
         (out / "report.txt").write_text(format_hotpath(results) + "\n")
     return results

@@ -213,6 +213,27 @@ class _Sender:
         await self.producer.flush()
 
 
+async def send_paced(sender: _Sender, rate: float, n: int, start: float, first: int = 0
+                     ) -> float:
+    """Send requests ``first`` .. ``first + n - 1`` at ``rate``/s from epoch ``start`` on a
+    schedule, each with its *scheduled* time as ``ts`` (a late sender cannot hide queueing);
+    returns how far (s) the sends fell behind the schedule at most."""
+    behind = 0.0
+    i = 0
+    while i < n:
+        now = time.time()
+        due = min(n, int((now - start) * rate) + 1)
+        if due > i:
+            behind = max(behind, now - (start + i / rate))
+        while i < due:
+            await sender.send(first + i, start + i / rate)
+            i += 1
+        delay = start + i / rate - time.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+    return behind
+
+
 async def probe_until_flowing(bootstrap: str, source: str, sink: str, timeout_s: float) -> float:
     """Send probe records to ``source`` until one comes out of ``sink``; seconds it took."""
     started = time.monotonic()
@@ -296,20 +317,8 @@ async def open_loop(
     # Outcomes of earlier runs on this topic do not count; 1 ms of slack because a result's
     # ts is reconstructed from e2e_ms, which is rounded to the microsecond.
     collector.min_ts = start - 0.001
-    max_behind = 0.0
     try:
-        n = 0
-        while n < total:
-            now = time.time()
-            due = min(total, int((now - start) * rate) + 1)
-            if due > n:
-                max_behind = max(max_behind, now - (start + n / rate))
-            while n < due:
-                await sender.send(n, start + n / rate)
-                n += 1
-            delay = start + n / rate - time.time()
-            if delay > 0:
-                await asyncio.sleep(delay)
+        max_behind = await send_paced(sender, rate, total, start)
         send_end = time.time()
         await sender.flush()
         complete = await collector.wait_count(total, drain_s, fresh=True)

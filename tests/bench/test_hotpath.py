@@ -41,6 +41,17 @@ def test_ratios_compare_the_product_with_the_yardstick_against_issue_17s_targets
     assert hotpath_ratios({"product": rungs["product"]}, 64)["rate"]["met"] is None
 
 
+def test_at_a_paced_rate_the_ratios_have_no_target_and_there_is_no_batch_fill() -> None:
+    rungs = {"yardstick": {"cpu_us_per_record_self": 400.0, "records_per_s": 1_000.0},
+             "product": {"cpu_us_per_record_self": 500.0, "records_per_s": 990.0,
+                         "mean_batch": 6.0}}
+
+    r = hotpath_ratios(rungs, 64, paced=True)
+
+    assert r == {"cpu_per_record": {"value": 1.25, "target": None, "op": "", "met": None},
+                 "rate": {"value": 0.99, "target": None, "op": "", "met": None}}
+
+
 def test_worker_env_overrides_the_worker_settings_and_the_yardsticks_batch() -> None:
     config = HotpathConfig(worker_env={"STREAMAPP_MAX_BATCH_SIZE": "128", "OMP_NUM_THREADS": "1"})
 
@@ -72,3 +83,26 @@ def test_hotpath_measures_both_rungs(tmp_path: Path) -> None:
     assert 1 <= product["mean_batch"] <= 64 and sum(product["batch_hist"].values()) == 2000
     assert results["ratios"]["cpu_per_record"]["value"] > 0
     assert (out / "report.txt").read_text() == format_hotpath(results) + "\n"
+
+
+@pytest.mark.slow
+@pytest.mark.kafka
+@pytest.mark.timeout(300)
+def test_hotpath_at_a_paced_rate_measures_the_paced_records_only(tmp_path: Path) -> None:
+    out = tmp_path / "paced"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "hotpath", "--rate", "400", "--requests", "800",
+         "--warmup", "300", "--rungs", "product", "--broker", "embedded", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=280,
+    )
+
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads((out / "bench.json").read_text())
+    product = results["rungs"]["product"]
+    assert product["complete"] and product["records"] == 300 + 800, product
+    # the span starts at the fetch that completed the warm-up (the paced sends start then):
+    # it holds the 800 paced records, which cannot come out faster than they are sent
+    assert product["span_records"] == 800, product
+    assert product["span_s"] >= 799 / 400, product
+    assert product["rate"] == 400.0 and product["cpu_us_per_record_self"] > 0
+    assert "sent at 400/s once a warm-up of 300 drained" in (out / "report.txt").read_text()
