@@ -12,6 +12,8 @@
 # jpeg3:   camera JPEGs N = 8, 16 against the decode + infer ceiling (sixth session);
 # tensors: camera JPEGs N = 16 with K = 48,000, ResNet-50 tensors N = 16 (sixth session);
 # tprofile: py-spy on a worker and the server, ResNet-50 tensors at N = 8 (sixth session);
+# paced:   one worker and the Faust yardstick at a paced 5,500/s, the worker under py-spy
+#          there, and ResNet-50 tensors at N = 16 (seventh session; ~7.5 min);
 # jpeg:    ResNet-50 on camera JPEGs (nvJPEG), N = 1, 8, 12, 16 workers of one group started
 #          by `streamapp worker --processes N --gpu-executor shared`, the engine alone and
 #          the aiokafka relay at the same N;
@@ -113,9 +115,21 @@ elif [ "$PART" = tprofile ]; then
   scaleout tprofile 140 tprofile "group.initial.rebalance.delay.ms=3000" \
     --only resnet50-tensor --ns 8 --ceilings "" --profile-procs w0,gpu-server0 --profile-s 8 \
     --budget-s 125
+elif [ "$PART" = paced ]; then
+  # Seventh session: one worker and the Faust yardstick at a paced 5,500/s (the fifth
+  # session's 70 % level), where the worker's CPU was as full as at saturation: whose cost is
+  # it? Then the same worker under py-spy; then the ResNet-50 tensors at N = 16 again, after
+  # the float16 range-check fix (5ad5cea).
+  step paced 200 python3 -m bench hotpath --broker kafka --rate 5500 --requests 82500 \
+    --out "$W/paced" --logs "$W/paced/logs"
+  step paced-profile 130 python3 -m bench hotpath --broker kafka --rate 5500 --requests 82500 \
+    --rungs product --profile-s 8 --profile-after-s 12 --out "$W/paced-profile" \
+    --logs "$W/paced-profile/logs"
+  scaleout tensors 165 tensors "group.initial.rebalance.delay.ms=3000" \
+    --only resnet50-tensor --ns 16 --ceilings aiokafka --budget-s 155
 else
-  echo "unknown part $PART (hotpath, jpeg, groups, groups2, profile, jpeg2, jpeg3, tensors or" \
-    "tprofile)" >&2
+  echo "unknown part $PART (hotpath, jpeg, groups, groups2, profile, jpeg2, jpeg3, tensors," \
+    "tprofile or paced)" >&2
   exit 2
 fi
 tar czf "$OUT/$PART.tgz" -C "$W" . 2>/dev/null
