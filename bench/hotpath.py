@@ -406,7 +406,6 @@ class Hotpath:
         self.log("  " + format_rung(name, res, cfg.batch_bound))
         return res
 
-
     async def _paced(self, bootstrap: str, request_topic: str, outputs: list[str],
                      pids: dict[str, int], name: str, dead: Callable[[], str | None]
                      ) -> dict[str, Any]:

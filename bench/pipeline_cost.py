@@ -66,7 +66,8 @@ def _requests(n: int, devices: int) -> list[tuple[bytes, bytes]]:
     return out
 
 
-async def run(n: int, devices: int, batch: int, state_flush_ms: float) -> dict[str, float]:
+async def run(n: int, devices: int, batch: int, state_flush_ms: float,
+              chunk: int | None = None) -> dict[str, float]:
     settings = Settings(max_batch_size=batch, max_batch_delay_ms=5.0,
                         state_flush_interval_ms=state_flush_ms)
     models = load_models(settings)
@@ -88,11 +89,12 @@ async def run(n: int, devices: int, batch: int, state_flush_ms: float) -> dict[s
     records = _requests(n, devices)
     topic = settings.request_topic
     started, cpu = time.perf_counter(), time.process_time()
-    for first in range(0, n, batch):
-        chunk = [SourceMessage(key=k, value=v, topic=topic, partition=0, offset=first + j,
-                               ack=ack)
-                 for j, (k, v) in enumerate(records[first:first + batch])]
-        await pipeline.handle_many(chunk)
+    step = chunk or batch
+    for first in range(0, n, step):
+        messages = [SourceMessage(key=k, value=v, topic=topic, partition=0, offset=first + j,
+                                  ack=ack)
+                    for j, (k, v) in enumerate(records[first:first + step])]
+        await pipeline.handle_many(messages)
     await pipeline.batcher.drain()
     await pipeline.flush_state()
     wall, cpu = time.perf_counter() - started, time.process_time() - cpu
@@ -111,16 +113,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--devices", type=int, default=256)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--state-flush-ms", type=float, default=500.0)
+    parser.add_argument("--chunk", type=int, default=None,
+                        help="records handed over per call (default: --batch; the direct "
+                        "intake hands over what one fetch brought of one partition)")
     parser.add_argument("--profile", default=None, help="write a cProfile here")
     args = parser.parse_args(argv)
     profiler = cProfile.Profile() if args.profile else None
     if profiler:
         profiler.enable()
-    result = asyncio.run(run(args.requests, args.devices, args.batch, args.state_flush_ms))
+    result = asyncio.run(run(args.requests, args.devices, args.batch, args.state_flush_ms,
+                             args.chunk))
     if profiler:
         profiler.disable()
         profiler.dump_stats(args.profile)
-    print(f"pipeline alone (no Kafka), digits on onnxruntime, batch {args.batch}, "
+    print(f"pipeline alone (no Kafka), digits on onnxruntime, batch {args.batch}, chunks of "
+          f"{args.chunk or args.batch}, "
           f"{args.devices} devices: {result['per_s']:,.0f} records/s, "
           f"{result['cpu_us_per_record']:.1f} µs CPU per record, mean batch "
           f"{result['mean_batch']:.1f}")
