@@ -243,7 +243,7 @@ async def measure_drain(bootstrap: str, topics: Sequence[str], k: int,
                     count += len(records)
                     if tp.topic != topics[0]:
                         other += len(records)
-                    elif batch_sizes and first is not None:
+                    elif batch_sizes and (first is not None or not skip):  # not a warm-up's
                         for record in records:
                             size = result_parse(record.value)[1] if record.value else None
                             if size is not None:
