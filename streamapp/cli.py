@@ -897,10 +897,13 @@ def models_check(
 ) -> None:
     """Check that a worker can serve a model folder, and print which requests it accepts.
 
-    Loads the model file with the backend, compares metadata.json with the engine's IO tensors
-    and runs one batch. Each problem is one line on stderr; exits 1 if there is any.
+    Loads the model file with the backend, compares metadata.json with the engine's IO tensors,
+    runs one batch, then the checks of worker start and `models load`: a warm-up batch and the
+    samples the metadata declares. A model with version folders is checked at every version,
+    with a summary of each and the version a worker starts on. Each problem is one line on
+    stderr; exits 1 if any folder has one.
     """
-    from streamapp.models.check import check_model, format_check
+    from streamapp.models.check import check_model, format_check, format_versions
     from streamapp.models.repository import ModelRepository
     from streamapp.settings import load_settings
 
@@ -915,15 +918,20 @@ def models_check(
     # version folders for each version.
     paths = [m for p in paths for m in _model_folders(p)]
     failed = 0
+    checks = []
     for i, path in enumerate(paths):
         check = check_model(path, backend=settings.backend,
                             max_batch_size=settings.max_batch_size)
+        checks.append(check)
         if check.ok:
             typer.echo(("\n" if i else "") + "\n".join(format_check(check, top_k=settings.top_k)))
             continue
         failed += 1
         for problem in check.problems:
             typer.secho(f"error: {path}: {problem}", fg=typer.colors.RED, err=True)
+    summary = format_versions(checks)
+    if summary:
+        typer.echo("\n" + "\n".join(summary))
     if failed:
         raise typer.Exit(1)
     versioned = [p.name.isdigit() and not (p / "model.onnx").is_dir() for p in paths]
@@ -938,15 +946,17 @@ def models_check(
 
 def _model_folders(path: Path) -> list[Path]:
     """The model folders ``path`` stands for: itself (a folder with ``metadata.json``, or not a
-    folder), its version folders (``NAME/<V>/``), or every version of every model in it (a
+    folder) and its version folders (``NAME/<V>/``), or every version of every model in it (a
     repository)."""
     from streamapp.exceptions import ModelNotFoundError
     from streamapp.models.repository import ModelRepository
 
-    if (path / "metadata.json").exists() or not path.is_dir():
+    if not path.is_dir():
         return [path]
     versions = sorted((p for p in path.iterdir() if p.name.isdigit()
                        and (p / "metadata.json").is_file()), key=lambda p: int(p.name))
+    if (path / "metadata.json").exists():
+        return [path, *versions]  # a flat folder may hold version folders too
     if versions:
         return versions
     repo = ModelRepository(path)

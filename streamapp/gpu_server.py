@@ -100,7 +100,9 @@ def run_gpu_server(settings: Settings) -> int:
     log.setLevel(logging.INFO)  # its own lifecycle lines; libraries stay at WARNING
     sys.setswitchinterval(settings.gil_switch_interval_ms / 1000.0)
     path = server_socket(settings)
-    models = load_local_models(settings)
+    # no fallback to another version: the workers pick theirs from the repository on their
+    # own (the default one), so the server refuses to start when that one fails its checks
+    models = load_local_models(settings, fallback=False)
     if settings.gc_freeze:
         from streamapp.runtime import freeze_heap
 

@@ -4,14 +4,18 @@ A folder is checked the way a worker would use it: ``metadata.json`` is read fie
 problem per missing or bad field, not just the first), the model file is loaded with the chosen
 backend, the metadata's IO tensors are compared with the engine's (name, dtype, shape, a dynamic
 batch dimension, one score per label), and one batch of zeros — and, for image models, one
-blank image through the image pre-processing — runs through the engine. The walk-through that
-uses it is docs/models.md.
+blank image through the image pre-processing — runs through the engine. Then the checks a
+version passes before it serves, at worker start and before ``streamapp models load`` switches
+to it (:func:`streamapp.models.verify.verify_model`): a warm-up batch and the samples its
+metadata declares. The walk-through that uses it is docs/models.md; versions: docs/versions.md.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,13 +24,21 @@ from PIL import Image
 
 from engines.base import DYNAMIC, Engine, TensorSpec, format_shape
 from engines.exceptions import EngineError
+from engines.executor import ThreadExecutor
 from engines.registry import load_engine, load_first
-from streamapp.exceptions import StreamAppError
+from streamapp.agents.pipeline import LoadedModel
+from streamapp.exceptions import ModelSwapError, StreamAppError
 from streamapp.models.metadata import read_metadata
-from streamapp.models.repository import ModelConfig
+from streamapp.models.repository import (
+    ModelConfig,
+    ModelRepository,
+    normal_version,
+    version_key,
+)
+from streamapp.models.verify import run_blocking, start_order, verify_model
 from streamapp.records import InferenceRequest
 
-__all__ = ["ModelCheck", "check_model", "engine_problems", "format_check"]
+__all__ = ["ModelCheck", "check_model", "engine_problems", "format_check", "format_versions"]
 
 @dataclass
 class ModelCheck:
@@ -40,6 +52,8 @@ class ModelCheck:
             or None when it did not load.
         engine_line: Device, precision and max batch of the loaded engine.
         inputs / outputs: The engine's IO tensors.
+        samples_checked: How many declared samples the engine answered as declared (0: none
+            declared), or None when the checks did not get that far.
     """
 
     directory: Path
@@ -49,10 +63,29 @@ class ModelCheck:
     engine_line: str = ""
     inputs: tuple[TensorSpec, ...] = ()
     outputs: tuple[TensorSpec, ...] = ()
+    samples_checked: int | None = None
 
     @property
     def ok(self) -> bool:
         return not self.problems
+
+    @property
+    def versioned(self) -> bool:
+        """Whether the folder is a version folder (``NAME/<V>/``, docs/versions.md)."""
+        return self.directory.name.isdigit()
+
+    @property
+    def model(self) -> str:
+        """The model's name: its folder's (a version folder's parent)."""
+        return self.directory.parent.name if self.versioned else self.directory.name
+
+    @property
+    def version(self) -> str | None:
+        """The version: a version folder's name, else what the metadata says (None when it
+        could not be read)."""
+        if self.versioned:
+            return normal_version(self.directory.name)
+        return self.config.version if self.config is not None else None
 
 
 def _spec(spec: TensorSpec) -> str:
@@ -176,9 +209,12 @@ def check_model(directory: Path, *, backend: str = "auto", max_batch_size: int =
     except StreamAppError as exc:
         result.problems.append(str(exc))
         return result
+    # a version folder (NAME/<V>/, docs/versions.md) is named by its model's folder, and its
+    # name wins over a version in its metadata (as the worker reads it)
+    folder = directory.parent if result.versioned else directory
+    if result.versioned:
+        config = dataclasses.replace(config, version=normal_version(directory.name))
     result.config = config
-    # a version folder (NAME/<V>/, docs/versions.md) is named by its model's folder
-    folder = directory.parent if directory.name.isdigit() else directory
     if config.name != folder.name:
         result.problems.append(
             f"name {config.name!r} differs from the folder's name {folder.name!r}: a worker "
@@ -205,7 +241,22 @@ def check_model(directory: Path, *, backend: str = "auto", max_batch_size: int =
         result.problems += engine_problems(config, engine)
         if not result.problems:
             result.problems += _run_once(config, engine)
+        if not result.problems:
+            try:
+                result.samples_checked = run_blocking(lambda: _verify(config, engine))
+            except ModelSwapError as exc:
+                result.problems.append(f"{exc.reason}: {exc}")
     return result
+
+
+async def _verify(config: ModelConfig, engine: Engine) -> int:
+    """:func:`~streamapp.models.verify.verify_model` (a warm-up batch, then the declared
+    samples: the checks of worker start and ``streamapp models load``) on ``engine``."""
+    executor = ThreadExecutor(engine, max_inflight=1)
+    try:
+        return await verify_model(LoadedModel(config, executor))
+    finally:
+        await executor.close()
 
 
 def format_check(check: ModelCheck, *, top_k: int = 3) -> list[str]:
@@ -247,6 +298,62 @@ def format_check(check: ModelCheck, *, top_k: int = 3) -> list[str]:
     labels = " ".join(config.labels) if len(config.labels) <= 12 else (
         " ".join(config.labels[:10]) + " ...")
     lines.append(f"labels    {len(config.labels)}: {labels}")
+    if check.samples_checked:
+        lines.append(f"samples   {check.samples_checked} answered as declared (a worker "
+                     "checks them before it serves this version)")
+    else:
+        lines.append("samples   none declared: served unchecked (metadata \"samples\", "
+                     "docs/versions.md)")
     lines.append(f"result    outputs.top_k: the {min(top_k, len(config.labels))} best labels "
                  "with scores (STREAMAPP_TOP_K)")
+    return lines
+
+
+def format_versions(checks: Sequence[ModelCheck]) -> list[str]:
+    """Per model of which several versions were checked: each version's outcome, in the order
+    a worker tries them at start (:func:`~streamapp.models.verify.start_order`), and the
+    version it starts on, the first that passed (docs/versions.md).
+
+    Returns:
+        Lines without newlines; none for a model checked at one version only.
+    """
+    groups: dict[tuple[Path, str], list[ModelCheck]] = {}
+    for check in checks:
+        root = check.directory.parent.parent if check.versioned else check.directory.parent
+        groups.setdefault((root, check.model), []).append(check)
+    lines: list[str] = []
+    for (root, name), group in groups.items():
+        if len(group) < 2:
+            continue
+        found = {c.version: c for c in group if c.version is not None}
+        try:
+            order = start_order(ModelRepository(root), name)
+        except StreamAppError:
+            order = []
+        shown = [v for v in order if v in found] + sorted(
+            (v for v in found if v not in order), key=version_key, reverse=True)
+        lines.append(f"versions  {name}, in the order a worker tries them at start:")
+        for version in shown:
+            check = found[version]
+            if check.ok:
+                outcome = (f"ok, {check.samples_checked} sample(s) answered as declared"
+                           if check.samples_checked else "ok, no samples declared")
+            else:
+                outcome = f"FAILED: {check.problems[0]}"
+            lines.append(f"  {'v' + version:<6} {outcome}")
+        for check in group:
+            if check.version is None:
+                lines.append(f"  {check.directory.name:<6} FAILED: {check.problems[0]}")
+        starts: str | None = None
+        for version in order:
+            if version not in found:
+                break  # not checked: cannot tell
+            if found[version].ok:
+                starts = f"a worker starts on {name} v{version}"
+                break
+        else:
+            if order:
+                starts = f"no version of {name} passes: a worker refuses to start"
+        if starts is not None:
+            lines.append(f"  {starts}")
     return lines

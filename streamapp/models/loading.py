@@ -1,5 +1,11 @@
 """Loading a worker's models: each model of ``settings.models`` on its engine and executor.
 
+A model is served at the first version of :func:`~streamapp.models.verify.start_order`
+(``NAME/current``, else the highest, then the others from the highest down) that loads and
+passes the checks of ``streamapp models load``: a warm-up batch and the samples its metadata
+declares (:func:`~streamapp.models.verify.start_version`). A version that fails is logged and
+skipped; when none passes, the worker does not start.
+
 The backend comes from ``settings.backend``; ``auto`` is resolved by the engine registry
 (:func:`engines.registry.load_first`), the one place that defines it: the first available
 backend that is not test-only and loads the model's file, in the order TensorRT, PyTorch CUDA,
@@ -18,9 +24,16 @@ from streamapp.agents.pipeline import LoadedModel
 from streamapp.exceptions import ConfigError
 from streamapp.models.check import engine_problems
 from streamapp.models.repository import ModelConfig, ModelRepository
+from streamapp.models.verify import close_model, run_blocking, start_version
 from streamapp.settings import Settings
 
-__all__ = ["connect_models", "load_local_models", "load_models", "load_version"]
+__all__ = [
+    "connect_models",
+    "load_local_models",
+    "load_models",
+    "load_version",
+    "start_local_models",
+]
 
 log = logging.getLogger(__name__)
 
@@ -58,14 +71,17 @@ def _make_executor(
 def load_models(settings: Settings) -> dict[str, LoadedModel]:
     """Load every model in ``settings.models``: with ``settings.backend`` in this process, or,
     with ``gpu_executor=shared``, as clients of the executor server at
-    ``gpu_server_socket`` (:func:`connect_models`).
+    ``gpu_server_socket`` (:func:`connect_models`). Blocks (also when called on an event
+    loop: the checks run on a loop of their own, :func:`~streamapp.models.verify.run_blocking`).
 
     Returns:
         Model name → the loaded model (its config and the executor running its engine).
 
     Raises:
         ModelNotFoundError: A model is not in the repository.
-        ConfigError: A model's engine does not fit its ``metadata.json`` (in-process only).
+        ConfigError: No version of a model passes the checks (in-process only; a model with
+            one version to try: its engine does not fit its ``metadata.json``, or it fails its
+            warm-up batch or declared samples).
         EngineError: A backend is unknown/unavailable or a model failed to load (with ``auto``:
             no candidate loaded it; the message lists each one's error).
     """
@@ -74,20 +90,44 @@ def load_models(settings: Settings) -> dict[str, LoadedModel]:
     return load_local_models(settings)
 
 
-def load_local_models(settings: Settings) -> dict[str, LoadedModel]:
+def load_local_models(settings: Settings, *, fallback: bool = True) -> dict[str, LoadedModel]:
     """Load every model in ``settings.models`` with ``settings.backend`` in this process
-    (what a worker with ``gpu_executor=inprocess`` and the executor server do), and check
-    that each engine takes what its metadata promises
-    (:func:`~streamapp.models.check.engine_problems`).
+    (what a worker with ``gpu_executor=inprocess`` and the executor server do): each at the
+    first version that passes the checks of ``streamapp models load`` (module docstring).
+    Blocks: the checks run on an event loop of their own, in a thread of their own.
+
+    Args:
+        settings: The worker's settings.
+        fallback: Try the other versions of a model whose first version fails (False: the
+            executor server, whose workers pick the version from the repository themselves).
 
     Raises:
         ConfigError: A model's engine does not fit its ``metadata.json`` (input name, dtype or
-            shape, a fixed batch dimension, output not one score per label); the message lists
-            each problem.
+            shape, a fixed batch dimension, output not one score per label; the message lists
+            each problem), or a version fails its warm-up batch or samples, and no other
+            version passes.
         As :func:`load_models` otherwise.
     """
+    return run_blocking(lambda: start_local_models(settings, fallback=fallback))
+
+
+async def start_local_models(settings: Settings, *,
+                             fallback: bool = True) -> dict[str, LoadedModel]:
+    """:func:`load_local_models` on the running event loop."""
     repo = ModelRepository(settings.models_dir)
-    return {name: load_version(settings, repo.get(name)) for name in settings.models}
+
+    def loader(config: ModelConfig) -> LoadedModel:
+        return load_version(settings, config)
+
+    loaded: dict[str, LoadedModel] = {}
+    try:
+        for name in settings.models:
+            loaded[name] = await start_version(repo, name, loader, fallback=fallback)
+    except BaseException:
+        for model in loaded.values():  # a worker that cannot serve every model serves none
+            await close_model(model)
+        raise
+    return loaded
 
 
 def load_version(settings: Settings, config: ModelConfig) -> LoadedModel:

@@ -19,11 +19,9 @@ A prepared version that is neither committed nor aborted within :data:`PREPARED_
 discarded. One swap runs at a time per worker. With ``gpu_executor=shared`` the engines live in
 the executor server, which cannot swap yet: the load is refused (``not_supported``).
 
-Samples (metadata ``samples``): a list of objects, each ``{"tensor": nested list in request
-units (the shape of ``request.shape``), "dtype": request dtype (default the first of
-``request.dtypes`` that is a float, else the first), "label": expected top-1 label and/or
-"scores": expected values of the output row, "tolerance": largest absolute difference of a
-score (default :data:`DEFAULT_TOLERANCE`)}``.
+The checks of the prepare phase (load, warm-up batch, declared samples) are
+:mod:`streamapp.models.verify`'s, the ones a worker runs at start and ``streamapp models check``
+runs too.
 """
 
 from __future__ import annotations
@@ -31,18 +29,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
-
-import numpy as np
 
 from engines.exceptions import EngineError
 from streamapp.agents.pipeline import InferencePipeline, LoadedModel
 from streamapp.exceptions import ConfigError, ModelNotFoundError, ModelSwapError, StreamAppError
 from streamapp.models.decoding import configure_engine_images
 from streamapp.models.repository import ModelConfig, ModelRepository, normal_version
-from streamapp.records import InferenceRequest, TensorPayload
+from streamapp.models.verify import (
+    DEFAULT_TOLERANCE,
+    check_samples,
+    close_model,
+    prepare_version,
+    warm_up,
+)
 from streamapp.settings import Settings
 
 __all__ = [
@@ -50,15 +52,15 @@ __all__ = [
     "PREPARED_TTL_S",
     "ModelSwapper",
     "check_samples",
+    "close_model",
     "contract_difference",
+    "warm_up",
 ]
 
 log = logging.getLogger(__name__)
 
 #: Seconds a prepared (loaded and checked) version waits for its commit before it is discarded.
 PREPARED_TTL_S = 120.0
-#: Default largest absolute difference between a sample's expected and computed scores.
-DEFAULT_TOLERANCE = 1e-3
 #: Seconds between two looks at whether a swapped-out version's last batch has finished.
 _IDLE_POLL_S = 0.005
 
@@ -81,117 +83,6 @@ def contract_difference(current: ModelConfig, candidate: ModelConfig) -> str | N
     return None
 
 
-def _sample_dtype(config: ModelConfig, sample: dict[str, Any]) -> str:
-    dtype = sample.get("dtype")
-    if dtype is not None:
-        return str(dtype)
-    floats = sorted(d for d in config.request_dtypes if d.startswith("float"))
-    return floats[-1] if floats else sorted(config.request_dtypes)[0]
-
-
-def _sample_items(config: ModelConfig) -> list[tuple[dict[str, Any], np.ndarray]]:
-    """``(sample, engine input item)`` of every declared sample.
-
-    Raises:
-        ModelSwapError: ``bad_metadata``: ``samples`` is not a list of objects with a tensor
-            the model accepts.
-    """
-    samples = config.metadata.get("samples", [])
-    if not isinstance(samples, list):
-        raise ModelSwapError("bad_metadata", f"metadata 'samples' of {config.name} v"
-                             f"{config.version} must be a list, got {type(samples).__name__}")
-    items = []
-    for i, sample in enumerate(samples):
-        try:
-            if not isinstance(sample, dict) or "tensor" not in sample:
-                raise ValueError("each sample must be an object with a 'tensor'")
-            if "label" not in sample and "scores" not in sample:
-                raise ValueError("each sample must give an expected 'label' or 'scores'")
-            array = np.asarray(sample["tensor"], dtype=_sample_dtype(config, sample))
-            payload = TensorPayload(str(array.dtype), tuple(array.shape), array.tobytes())
-            request = InferenceRequest(f"sample-{i}", "sample", i, time.time(), config.name,
-                                       tensor=payload)
-            items.append((sample, config.preprocess(request)))
-        except (StreamAppError, ValueError, TypeError) as exc:
-            raise ModelSwapError(
-                "bad_metadata", f"sample {i} of {config.name} v{config.version} cannot be "
-                f"used: {exc}",
-            ) from None
-    return items
-
-
-async def check_samples(model: LoadedModel) -> int:
-    """Run the samples ``model``'s metadata declares and compare the answers.
-
-    Returns:
-        The number of samples checked (0 when the metadata declares none).
-
-    Raises:
-        ModelSwapError: ``bad_metadata`` (a sample that cannot be used), ``check_failed`` (an
-            answer differs; the message names the sample, what was expected and what came).
-    """
-    config = model.config
-    items = _sample_items(config)
-    if not items:
-        return 0
-    batch = [{config.input_name: item} for _, item in items]
-    outputs: dict[str, np.ndarray] = {}
-    limit = max(1, model.executor.engine.max_batch_size)
-    for start in range(0, len(batch), limit):
-        part = await model.executor.run(batch[start:start + limit])
-        for name, value in part.items():
-            outputs[name] = (np.concatenate([outputs[name], value]) if name in outputs
-                             else np.asarray(value))
-    probs = np.asarray(outputs[config.output_name], dtype=np.float64)
-    for i, (sample, _) in enumerate(items):
-        row = probs[i]
-        if "label" in sample:
-            got = config.labels[int(np.argmax(row))]
-            if got != str(sample["label"]):
-                raise ModelSwapError(
-                    "check_failed", f"sample {i} of {config.name} v{config.version}: expected "
-                    f"label {sample['label']!r}, the engine answered {got!r} (score "
-                    f"{float(row.max()):.4f})",
-                )
-        if "scores" in sample:
-            expected = np.asarray(sample["scores"], dtype=np.float64)
-            tolerance = float(sample.get("tolerance", DEFAULT_TOLERANCE))
-            if expected.shape != row.shape:
-                raise ModelSwapError(
-                    "bad_metadata", f"sample {i} of {config.name} v{config.version} gives "
-                    f"{expected.size} scores; the output has {row.size}",
-                )
-            worst = int(np.argmax(np.abs(row - expected)))
-            if abs(row[worst] - expected[worst]) > tolerance:
-                raise ModelSwapError(
-                    "check_failed", f"sample {i} of {config.name} v{config.version}: score "
-                    f"{worst} is {row[worst]:.6f}, expected {expected[worst]:.6f} within "
-                    f"{tolerance:g}",
-                )
-    return len(items)
-
-
-async def warm_up(model: LoadedModel) -> None:
-    """One batch of zeros through ``model``'s executor (what ``/ready`` waits for at start).
-
-    Raises:
-        EngineError: The engine failed it.
-        RuntimeError: The model's output is missing from the answer.
-    """
-    config = model.config
-    item = {config.input_name: np.zeros(config.item_shape, dtype=config.input_dtype)}
-    outputs = await model.executor.run([item])
-    if config.output_name not in outputs:
-        raise RuntimeError(f"warm-up of {config.name!r} v{config.version} returned no "
-                           f"{config.output_name!r} output")
-
-
-async def close_model(model: LoadedModel) -> None:
-    """Close a version's executor and engine (its device memory is returned)."""
-    await model.executor.close()
-    await asyncio.to_thread(model.executor.engine.close)
-
-
 def _device_free_bytes(model: LoadedModel) -> int | None:
     """Free memory of the CUDA device ``model`` runs on, or None on a CPU engine."""
     if not str(model.info.device).startswith("cuda"):
@@ -202,6 +93,12 @@ def _device_free_bytes(model: LoadedModel) -> int | None:
         return mem_get_info()[0]
     except EngineError:
         return None
+
+
+def _unknown_model(name: str, served: Iterable[str]) -> ModelSwapError:
+    return ModelSwapError(
+        "unknown_model", f"model {name!r} is not served by this worker (serving: "
+        f"{', '.join(sorted(served)) or 'none'}; STREAMAPP_MODELS)", status=404)
 
 
 @dataclass
@@ -249,6 +146,23 @@ class ModelSwapper:
                                  "/ready answers 200", status=503)
         return pipeline
 
+    def target_version(self, name: str) -> str:
+        """The version a load that names none loads: the highest in the repository.
+
+        Raises:
+            ModelSwapError: ``unknown_model`` (404): this worker does not serve ``name``
+                (``STREAMAPP_MODELS``); ``version_not_found`` (404): the repository holds no
+                version of it.
+        """
+        pipeline = self._pipeline()
+        served = pipeline.models if pipeline is not None else self.settings.models
+        if name not in served:
+            raise _unknown_model(name, served)
+        try:
+            return list(self.repository.versions(name))[-1]
+        except StreamAppError as exc:
+            raise ModelSwapError("version_not_found", str(exc), status=404) from None
+
     async def prepare(self, name: str, version: str | None = None) -> dict[str, Any]:
         """Load, warm up and check a version; it serves nothing until :meth:`commit`.
 
@@ -284,9 +198,7 @@ class ModelSwapper:
             pipeline = self._running()
             current = pipeline.models.get(name)
             if current is None:
-                raise ModelSwapError(
-                    "unknown_model", f"model {name!r} is not served by this worker (serving: "
-                    f"{', '.join(sorted(pipeline.models)) or 'none'})", status=404)
+                raise _unknown_model(name, pipeline.models)
             try:
                 config = await asyncio.to_thread(self.repository.get, name, version)
             except ModelNotFoundError as exc:
@@ -298,37 +210,19 @@ class ModelSwapper:
                 raise ModelSwapError("incompatible_version", f"version {config.version} of "
                                      f"{name} is refused: {problem}", status=409)
             started = time.perf_counter()
-            try:
-                model = await asyncio.to_thread(self._loader, config)
-            except Exception as exc:
-                raise ModelSwapError("load_failed", f"version {config.version} of {name} "
-                                     f"failed to load: {type(exc).__name__}: {exc}") from None
-            try:
-                if pipeline.images.decodes_on_gpu(name):
-                    # frames read before the switch reach it still compressed
-                    why_not = configure_engine_images(config, model.executor.engine)
-                    if why_not is not None:
-                        raise ModelSwapError(
-                            "incompatible_version", f"version {config.version} of {name} "
-                            f"cannot decode the JPEG frames version {current.version} decodes "
-                            f"on the GPU: {why_not}", status=409)
-                try:
-                    await warm_up(model)
-                except Exception as exc:
+
+            def adapt(model: LoadedModel) -> None:
+                if not pipeline.images.decodes_on_gpu(name):
+                    return
+                # frames read before the switch reach it still compressed
+                why_not = configure_engine_images(config, model.executor.engine)
+                if why_not is not None:
                     raise ModelSwapError(
-                        "warmup_failed", f"version {config.version} of {name} failed its "
-                        f"warm-up batch: {type(exc).__name__}: {exc}") from None
-                try:
-                    checked = await check_samples(model)
-                except ModelSwapError:
-                    raise
-                except Exception as exc:
-                    raise ModelSwapError(
-                        "check_failed", f"version {config.version} of {name} failed on its "
-                        f"samples: {type(exc).__name__}: {exc}") from None
-            except ModelSwapError:
-                await close_model(model)
-                raise
+                        "incompatible_version", f"version {config.version} of {name} cannot "
+                        f"decode the JPEG frames version {current.version} decodes on the "
+                        f"GPU: {why_not}", status=409)
+
+            model, checked = await prepare_version(config, self._loader, adapt)
             load_ms = round((time.perf_counter() - started) * 1000.0, 1)
             old = self._prepared.pop((name, config.version), None)
             if old is not None:
@@ -337,9 +231,6 @@ class ModelSwapper:
                 model, checked, time.monotonic() + PREPARED_TTL_S)
             # discarded if its commit never comes (the coordinating worker died)
             asyncio.get_running_loop().call_later(PREPARED_TTL_S + 1.0, self._expire)
-            if not checked:
-                log.warning("version %s of %s declares no samples: it was warmed up but not "
-                            "checked", config.version, name)
             log.info("prepared %s v%s (%s) in %.0f ms, %d sample(s) checked", name,
                      config.version, model.info.tag, load_ms, checked)
             return {"model": name, "version": config.version, "engine": model.info.tag,

@@ -23,7 +23,7 @@ import aiohttp
 import faust
 from faust.web import Request, Response
 
-from streamapp.exceptions import ModelSwapError, StreamAppError
+from streamapp.exceptions import ModelSwapError
 from streamapp.models.repository import normal_version
 from streamapp.views.errors import ApiError, ApiView
 from streamapp.views.params import check_params, choice
@@ -112,10 +112,10 @@ def add_model_views(app: faust.App, state: WorkerState) -> None:
             if forwarded:
                 return self.json(await self._phase(name, version, keep, query.get("phase")))
             if version is None:
-                try:
-                    version = list(swapper.repository.versions(name))[-1]
-                except StreamAppError as exc:
-                    raise ApiError(404, "version_not_found", str(exc)) from None
+                try:  # unknown_model for a model this worker does not serve
+                    version = swapper.target_version(name)
+                except ModelSwapError as exc:
+                    raise ApiError(exc.status, exc.reason, str(exc)) from None
             quoted = urllib.parse.quote(name, safe="")
             base = f"/models/{quoted}/load?version={urllib.parse.quote(version, safe='')}"
             prepared = await each_worker(
