@@ -806,7 +806,8 @@ def tables_rebuild(
     for table, rows in report.rows.items():
         typer.echo(f"{table}: {rows} rows, {report.moved[table]} moved to their new partition")
     typer.echo(f"tables of {settings.app_id!r} have {report.partitions} partitions; start the "
-               "workers (they restore their tables from the changelogs)")
+               f"workers with STREAMAPP_TOPIC_PARTITIONS={report.partitions} (they restore their "
+               "tables from the changelogs)")
 
 
 # -- models (streamapp.models.check, streamapp.models.commands, streamapp.views.models) -------

@@ -54,6 +54,7 @@ __all__ = [
     "set_fetch_max_wait",
     "set_producer_buffer_max",
     "set_read_committed",
+    "set_web_runner",
     "tolerate_stale_member_url",
 ]
 
@@ -144,6 +145,24 @@ def set_fetch_max_wait(app: Any, ms: float) -> bool:
         return False
     fetcher._fetch_max_wait_ms = int(ms)
     return True
+
+
+def set_web_runner(app: Any, make_runner: Callable[[Any], Any]) -> Any:
+    """Serve the app's web views with the aiohttp runner ``make_runner(web_app)`` returns.
+
+    Faust 0.15.3's aiohttp driver builds its runner itself (``Web._runner``, an
+    ``AppRunner(web_app, access_log=None)``, set up and given a site in ``start_server``) and
+    has no setting for it nor for aiohttp's request handler; streamapp's runner answers
+    requests aiohttp cannot read in JSON (:class:`streamapp.views.errors.JsonErrorsAppRunner`).
+    Call it before the web server starts.
+
+    Returns:
+        The runner now in use.
+    """
+    web = app.web
+    runner = make_runner(web.web_app)
+    web._runner = runner
+    return runner
 
 
 def set_producer_buffer_max(app: Any, messages: int) -> bool:

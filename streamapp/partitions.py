@@ -142,8 +142,10 @@ def plan_partitions(settings: Settings, existing: Mapping[str, int]) -> Partitio
         which = next(iter(sources), None) or next(iter(changelogs))
         notes.append(
             f"topic_partitions={settings.topic_partitions} is not used: {which} already has "
-            f"{chosen} partitions, so the tables use {chosen} (to change an existing "
-            f"deployment's count, see `streamapp tables rebuild` in docs/tables.md)"
+            f"{chosen} partitions, so the tables use {chosen}; set "
+            f"STREAMAPP_TOPIC_PARTITIONS={chosen} (or --topic-partitions {chosen}) to match "
+            f"the topics and silence this warning, e.g. after `streamapp tables rebuild` (to "
+            f"change the topics' count, see `streamapp tables rebuild` in docs/tables.md)"
         )
     return PartitionPlan(chosen, notes)
 

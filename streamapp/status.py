@@ -14,6 +14,7 @@ and their restart counts are shown next to their names.
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -326,103 +327,144 @@ def _ms(value: float | None, beyond: bool = False) -> str:
     return f"> {value:,.0f}" if beyond else f"{value:,.1f}"
 
 
-#: Below this console width (characters) the workers table keeps its essential columns only.
-_WIDE_COLUMNS = 120
-
-#: The workers table's columns, and which of them an 80-column terminal shows.
-_COLUMNS = (
-    ("worker", "left", True), ("ready", "center", True), ("parts", "right", True),
-    ("req/s", "right", True), ("DLQ/s", "right", False), ("DLQ %", "right", True),
-    ("retry/s", "right", False), ("p50 ms", "right", False), ("p99 ms", "right", True),
-    ("batch", "right", False), ("in-flight", "right", False), ("lag", "right", True),
-    ("finished*", "right", False),
+#: The workers table's columns: (header, justify, drop rank). Columns of rank 0 are always
+#: shown; when the table is wider than the console the others go, rank 1 first (the address
+#: moves under the worker's name before any column goes).
+_COLUMNS: tuple[tuple[str, str, int], ...] = (
+    ("worker", "left", 0), ("ready", "center", 0), ("parts", "right", 0),
+    ("req/s", "right", 0), ("DLQ/s", "right", 5), ("DLQ %", "right", 0),
+    ("retry/s", "right", 3), ("p50 ms", "right", 6), ("p99 ms", "right", 0),
+    ("batch", "right", 4), ("in-flight", "right", 2), ("lag", "right", 0),
+    ("finished*", "right", 1),
 )
+
+#: The devices table's columns, as :data:`_COLUMNS`.
+_DEVICE_COLUMNS: tuple[tuple[str, str, int], ...] = (
+    ("device", "left", 0), ("worker", "left", 3), ("finished*", "right", 0),
+    ("results*", "right", 2), ("dead letters*", "right", 0), ("last seq", "right", 1),
+    ("e2e EWMA ms", "right", 0), ("last seen", "right", 0),
+)
+
+#: A console that only measures tables (their width when nothing is cut).
+_MEASURE = Console(width=100_000, file=io.StringIO())
+
+#: A row of cells, or ``None`` for a section line before the next row.
+_Rows = Sequence[Sequence[Any] | None]
+
+
+def _fitted_table(columns: Sequence[tuple[str, str, int]], rows: Callable[[bool], _Rows],
+                  width: int, **table_options: Any) -> Table:
+    """The table of ``rows`` with as many of ``columns`` as fit in ``width`` characters.
+
+    ``rows(stacked)`` gives the rows with every column's cell; ``stacked``: a cell's secondary
+    part (the worker's address) on a line of its own rather than after a space. Tried in order:
+    every column on one line each, stacked, then without the columns of drop rank 1, 1-2, ...
+    until the table's natural width fits. Cells are never cut with an ellipsis: should even the
+    columns of rank 0 not fit, a cell wraps onto more lines instead (``overflow="fold"``).
+    """
+    ranks = sorted({rank for *_, rank in columns if rank})
+    layouts = [(False, 0), (True, 0), *((True, rank) for rank in ranks)]
+    table = Table()
+    for stacked, dropped in layouts:
+        keep = [not rank or rank > dropped for *_, rank in columns]
+        table = Table(**table_options)
+        for (name, justify, _), kept in zip(columns, keep, strict=True):
+            if kept:
+                table.add_column(name, justify=justify,  # type: ignore[arg-type]
+                                 overflow="fold")
+        for cells in rows(stacked):
+            if cells is None:
+                table.add_section()
+            else:
+                table.add_row(*(c for c, kept in zip(cells, keep, strict=True) if kept))
+        if _MEASURE.measure(table).maximum <= width:
+            break
+    return table
 
 
 def render(statuses: Iterable[WorkerStatus], *, top: int = 5, now: float | None = None,
            width: int = 200, interval_s: float | None = None) -> Group:
     """The status screen: one row per worker plus a total, the busiest devices, and the
     workers that did not answer with their errors in full (or, for a supervisor's child that
-    stopped, its state). ``width``: the console's width in characters; below 120 the workers
-    table shows its essential columns only (an 80-column terminal cut every header of the full
-    table to two letters). ``interval_s``: the time between the two scrapes, named in the
-    caption; figures since the worker started (not over the interval) are marked ``*``."""
+    stopped, its state). ``width``: the console's width in characters; a table wider than that
+    puts the worker's address under its name, then leaves out its less important columns
+    (:data:`_COLUMNS`, :func:`_fitted_table`) rather than cut numbers or headers (an
+    80-column terminal cut every header of the full table to two letters). ``interval_s``: the
+    time between the two scrapes, named in the caption; figures since the worker started (not
+    over the interval) are marked ``*``."""
     statuses = list(statuses)
     now = time.time() if now is None else now
-    wide = width >= _WIDE_COLUMNS
-    keep = [wide or essential for _, _, essential in _COLUMNS]
-    sep = " " if wide else "\n"  # narrow: the worker's address under its name
     over = f"over the last {interval_s:g} s" if interval_s else "over the interval"
-    table = Table(title="streamapp workers", title_justify="left", expand=False,
-                  caption=f"rates and latencies {over}; * since the worker started",
-                  caption_justify="left")
-    for (name, justify, _), kept in zip(_COLUMNS, keep, strict=True):
-        if kept:
-            table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
-
-    def row(*cells: Any) -> None:
-        table.add_row(*(c for c, kept in zip(cells, keep, strict=True) if kept))
 
     def all_time(flag: bool) -> str:
         return "*" if flag else ""
 
-    for s in statuses:
-        if s.error:
-            word = "stopped" if s.stopped else "unreachable"
-            row(s.url, Text("✗", style="red"), *["—"] * 10, Text(word, style="red"))
-            continue
-        ready = Text("✓", style="green") if s.ready else Text("✗", style="red")
-        restarts = f" [yellow]↻{s.restarts}[/yellow]" if s.restarts else ""
-        row(
-            f"{s.worker}{restarts}{sep}[dim]{s.url.split('://')[-1]}[/dim]", ready,
-            str(s.partitions),
-            f"{s.throughput_per_s:,.1f}", f"{s.dead_letters_per_s:,.1f}",
-            f"{100 * s.dlq_ratio:.1f}", f"{s.retries_per_s:,.1f}",
-            _ms(s.p50_ms, s.p50_beyond_buckets)
-            + all_time(s.latency_all_time and s.p50_ms is not None),
-            _ms(s.p99_ms, s.p99_beyond_buckets) + all_time(s.latency_all_time and s.p99_ms
-                                                            is not None),
-            "—" if s.mean_batch is None else f"{s.mean_batch:.1f}" + all_time(s.batch_all_time),
-            str(s.inflight), str(s.lag),
-            f"{s.finished_total:,}",
-        )
     ok = [s for s in statuses if not s.error]
-    if len(ok) > 1:
-        total = sum(s.throughput_per_s for s in ok)
-        dlq = sum(s.dead_letters_per_s for s in ok)
-        worst = max((s for s in ok if s.p99_ms is not None), key=lambda s: s.p99_ms or 0.0,
-                    default=None)
-        table.add_section()
-        row(
-            "[b]all[/b]", "", str(sum(s.partitions for s in ok)), f"{total:,.1f}", f"{dlq:,.1f}",
-            f"{100 * dlq / total:.1f}" if total else "0.0",
-            f"{sum(s.retries_per_s for s in ok):,.1f}", "",
-            _ms(None) if worst is None else _ms(worst.p99_ms, worst.p99_beyond_buckets)
-            + all_time(worst.latency_all_time), "",
-            str(sum(s.inflight for s in ok)), str(sum(s.lag for s in ok)),
-            f"{sum(s.finished_total for s in ok):,}",
-        )
+
+    def worker_rows(stacked: bool) -> _Rows:
+        sep = "\n" if stacked else " "
+        rows: list[Sequence[Any] | None] = []
+        for s in statuses:
+            if s.error:
+                word = "stopped" if s.stopped else "unreachable"
+                rows.append([s.url, Text("✗", style="red"), *["—"] * 10,
+                             Text(word, style="red")])
+                continue
+            ready = Text("✓", style="green") if s.ready else Text("✗", style="red")
+            restarts = f" [yellow]↻{s.restarts}[/yellow]" if s.restarts else ""
+            rows.append([
+                f"{s.worker}{restarts}{sep}[dim]{s.url.split('://')[-1]}[/dim]", ready,
+                str(s.partitions),
+                f"{s.throughput_per_s:,.1f}", f"{s.dead_letters_per_s:,.1f}",
+                f"{100 * s.dlq_ratio:.1f}", f"{s.retries_per_s:,.1f}",
+                _ms(s.p50_ms, s.p50_beyond_buckets)
+                + all_time(s.latency_all_time and s.p50_ms is not None),
+                _ms(s.p99_ms, s.p99_beyond_buckets) + all_time(s.latency_all_time and s.p99_ms
+                                                                is not None),
+                "—" if s.mean_batch is None else f"{s.mean_batch:.1f}"
+                + all_time(s.batch_all_time),
+                str(s.inflight), str(s.lag),
+                f"{s.finished_total:,}",
+            ])
+        if len(ok) > 1:
+            total = sum(s.throughput_per_s for s in ok)
+            dlq = sum(s.dead_letters_per_s for s in ok)
+            worst = max((s for s in ok if s.p99_ms is not None), key=lambda s: s.p99_ms or 0.0,
+                        default=None)
+            rows.append(None)
+            rows.append([
+                "[b]all[/b]", "", str(sum(s.partitions for s in ok)), f"{total:,.1f}",
+                f"{dlq:,.1f}", f"{100 * dlq / total:.1f}" if total else "0.0",
+                f"{sum(s.retries_per_s for s in ok):,.1f}", "",
+                _ms(None) if worst is None else _ms(worst.p99_ms, worst.p99_beyond_buckets)
+                + all_time(worst.latency_all_time), "",
+                str(sum(s.inflight for s in ok)), str(sum(s.lag for s in ok)),
+                f"{sum(s.finished_total for s in ok):,}",
+            ])
+        return rows
+
+    table = _fitted_table(
+        _COLUMNS, worker_rows, width, title="streamapp workers", title_justify="left",
+        expand=False, caption=f"rates and latencies {over}; * since the worker started",
+        caption_justify="left")
     devices = sorted((d for s in ok for d in s.top_devices),
                      key=lambda d: (-(d.get("total") or 0), d.get("device_id", "")))[:top]
-    dev_table = Table(title=f"top {top} devices", title_justify="left")
-    dev_columns = (("device", "left", True), ("worker", "left", False),
-                   ("finished*", "right", True), ("results*", "right", False),
-                   ("dead letters*", "right", True), ("last seq", "right", False),
-                   ("e2e EWMA ms", "right", True), ("last seen", "right", True))
-    dev_keep = [wide or essential for _, _, essential in dev_columns]
-    for (name, justify, _), kept in zip(dev_columns, dev_keep, strict=True):
-        if kept:
-            dev_table.add_column(name, justify=justify)  # type: ignore[arg-type]
-    for d in devices:
-        counts = d.get("counts") or {}
-        seen = d.get("last_seen")
-        cells = (
-            str(d.get("device_id")), str(d.get("worker")), f"{d.get('total', 0):,}",
-            f"{counts.get('result', 0):,}", f"{counts.get('dead_letter', 0):,}",
-            str(d.get("last_seq")), _ms(d.get("e2e_ewma_ms")),
-            "—" if seen is None else f"{max(0.0, now - seen):.0f} s ago",
-        )
-        dev_table.add_row(*(c for c, kept in zip(cells, dev_keep, strict=True) if kept))
+
+    def device_rows(stacked: bool) -> _Rows:
+        rows = []
+        for d in devices:
+            counts = d.get("counts") or {}
+            seen = d.get("last_seen")
+            rows.append((
+                str(d.get("device_id")), str(d.get("worker")), f"{d.get('total', 0):,}",
+                f"{counts.get('result', 0):,}", f"{counts.get('dead_letter', 0):,}",
+                str(d.get("last_seq")), _ms(d.get("e2e_ewma_ms")),
+                "—" if seen is None else f"{max(0.0, now - seen):.0f} s ago",
+            ))
+        return rows
+
+    dev_table = _fitted_table(_DEVICE_COLUMNS, device_rows, width, title=f"top {top} devices",
+                              title_justify="left")
     errors = [Text(f"✗ {s.url}: {s.stopped or s.error}", style="red")
               for s in statuses if s.error]
     return Group(table, dev_table, *errors)

@@ -2,7 +2,9 @@
 
 Every answer is JSON except ``/metrics``; every error is
 ``{"error": code, "message": ..., "status": n}`` (400 bad query, 404 unknown device, 503 not
-ready or busy, 429 rate limited; the last two with ``Retry-After``). Device queries are answered
+ready or busy, 429 rate limited; the last two with ``Retry-After``), also for a request the web
+server cannot read (414 URL or 431 header too long, 400 not HTTP:
+:class:`~streamapp.views.errors.JsonErrorsAppRunner`). Device queries are answered
 by the worker that owns the device and forwarded there from any other worker
 (:mod:`streamapp.views.routing`). :data:`ENDPOINTS` is the API reference; the docs/api.md's
 table is kept equal to it by a test. What queries may take from the event loop is bounded
@@ -15,10 +17,11 @@ from typing import TYPE_CHECKING
 
 import faust
 
+from streamapp.faust_compat import set_web_runner
 from streamapp.settings import web_token
 from streamapp.views.auth import WEB_AUTH_KEY, WebAuth
 from streamapp.views.devices import add_device_views
-from streamapp.views.errors import ApiError, ApiView, json_http_errors
+from streamapp.views.errors import ApiError, ApiView, JsonErrorsAppRunner, json_http_errors
 from streamapp.views.health import add_health_views
 from streamapp.views.limits import WebLimits
 from streamapp.views.metrics import add_metrics_view
@@ -105,7 +108,9 @@ def api_reference() -> str:
 
 def install_views(app: faust.App, state: WorkerState) -> WebLimits:
     """Register every endpoint of :data:`ENDPOINTS` on ``app``, answer paths no endpoint
-    serves with JSON errors too (:func:`~streamapp.views.errors.json_http_errors`), behind the
+    serves with JSON errors too (:func:`~streamapp.views.errors.json_http_errors`), and
+    requests aiohttp cannot read, e.g. a URL too long
+    (:class:`~streamapp.views.errors.JsonErrorsAppRunner`), behind the
     web token (:mod:`streamapp.views.auth`: every route, those registered later included,
     except ``web_open_paths``) and the bounds of :mod:`streamapp.views.limits`
     (``web_max_concurrent_requests``, ``web_max_requests_per_s``, ``web_cache_ms``).
@@ -127,6 +132,8 @@ def install_views(app: faust.App, state: WorkerState) -> WebLimits:
     web_app.middlewares.append(json_http_errors)
     web_app.middlewares.append(auth.middleware())
     web_app.middlewares.append(limits.middleware())
+    # requests aiohttp cannot read (a URL over MAX_URL_BYTES, ...) never reach a middleware
+    set_web_runner(app, lambda web_app: JsonErrorsAppRunner(web_app, access_log=None))
     cache_s = settings.web_cache_ms / 1000.0
     add_health_views(app, state)
     add_metrics_view(app, state, cache_s)

@@ -1,15 +1,30 @@
-"""JSON errors for the web API: every error is ``{"error": code, "message": ..., "status": n}``."""
+"""JSON errors for the web API: every error is ``{"error": code, "message": ..., "status": n}``,
+those of aiohttp itself too: a path no route serves, a method a route does not answer
+(:func:`json_http_errors`) and a request aiohttp cannot read, e.g. a URL over
+:data:`MAX_URL_BYTES` (:class:`JsonErrorsAppRunner`)."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
+from http import HTTPStatus
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
+from aiohttp.web_request import BaseRequest
 from faust.web import View
 
-__all__ = ["ApiError", "ApiView", "json_http_errors"]
+__all__ = [
+    "MAX_HEADER_BYTES",
+    "MAX_URL_BYTES",
+    "ApiError",
+    "ApiView",
+    "JsonErrorsAppRunner",
+    "JsonErrorsRequestHandler",
+    "json_http_errors",
+    "unreadable_request",
+]
 
 log = logging.getLogger(__name__)
 
@@ -52,28 +67,125 @@ class ApiView(View):
             )
 
 
+def _endpoints(request: web.Request) -> str:
+    """Every route of the web app, as ``GET /health, ... and POST /models/{name}/load``."""
+    endpoints = [f"{method} {resource.canonical}"
+                 for resource in request.app.router.resources()
+                 for method in _methods({route.method for route in resource})]
+    if len(endpoints) < 2:
+        return "".join(endpoints)
+    return ", ".join(endpoints[:-1]) + " and " + endpoints[-1]
+
+
+def _methods(methods: set[str]) -> list[str]:
+    """``methods`` to name in a message: HEAD only where it is all (aiohttp adds HEAD beside
+    GET, Faust beside every method of a view)."""
+    return sorted(methods - {"HEAD"}) or sorted(methods)
+
 
 @web.middleware
 async def json_http_errors(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
     """aiohttp's own errors as JSON like every other answer: 404 ``not_found`` for a path no
-    endpoint serves, 405 ``method_not_allowed`` (aiohttp answers them in plain text)."""
+    endpoint serves, 405 ``method_not_allowed`` (aiohttp answers them in plain text). Both
+    messages name what the routes table holds, so they follow the routes."""
     try:
         return await handler(request)
     except web.HTTPException as exc:
         if exc.status < 400 or exc.content_type == "application/json":
             raise
+        path = request.path[:200]
         if exc.status == 404:
             code, message = "not_found", (
-                f"no endpoint serves {request.path}; the endpoints are /health, /ready, "
-                "/engines, /metrics, /cluster, /devices, /devices/{device_id} and "
-                "/devices/{device_id}/windows (docs/api.md)")
-        elif exc.status == 405:
+                f"no endpoint serves {path}; the endpoints are {_endpoints(request)} "
+                "(docs/api.md)")
+        elif isinstance(exc, web.HTTPMethodNotAllowed):
             code, message = "method_not_allowed", (
-                f"{request.method} is not allowed on {request.path}; the web API answers GET")
+                f"{request.method} is not allowed on {path}; it answers "
+                f"{' and '.join(_methods(set(exc.allowed_methods)))} (docs/api.md)")
         else:
             code, message = exc.reason.lower().replace(" ", "_"), exc.reason
         return web.json_response({"error": code, "message": message, "status": exc.status},
                                  status=exc.status, headers={
                                      k: v for k, v in exc.headers.items() if k == "Allow"})
+
+
+#: The longest URL (path and query, bytes) the web server reads: longer is 414 ``uri_too_long``.
+MAX_URL_BYTES = 8192
+#: The longest request header name or value (bytes) it reads: longer is 431
+#: ``header_too_long``. aiohttp's default, named here because the two limits must differ:
+#: aiohttp raises the same error (:class:`~aiohttp.http_exceptions.LineTooLong`) for both, and
+#: the limit it carries is what tells them apart.
+MAX_HEADER_BYTES = 8190
+
+
+def unreadable_request(status: int, exc: BaseException | None,
+                       message: str | None = None) -> ApiError:
+    """The JSON error for a request aiohttp could not read (``status`` and ``exc`` as its
+    request handler passes them to ``handle_error``): a URL or a header over the limits, a
+    malformed request line or header, or (500) a failure outside the views."""
+    if isinstance(exc, LineTooLong):
+        if exc.args[1:2] == (MAX_URL_BYTES,):
+            return ApiError(414, "uri_too_long", (
+                f"the URL (path and query) is longer than {MAX_URL_BYTES:,} bytes, the most "
+                "the web API reads; a device id is at most 256 characters (docs/api.md)"))
+        return ApiError(431, "header_too_long", (
+            f"a request header is longer than {MAX_HEADER_BYTES:,} bytes, the most the web "
+            "API reads"))
+    if status >= 500:
+        return ApiError(500, "internal_error",
+                        "the worker failed to answer; its log has the traceback")
+    reason = message or (exc.message if isinstance(exc, HttpProcessingError) else "") or str(exc)
+    try:
+        code = HTTPStatus(status).phrase.lower().replace(" ", "_")
+    except ValueError:  # not a status http knows
+        code = "bad_request"
+    return ApiError(status, code, f"the request is not valid HTTP/1.1: {reason}")
+
+
+class JsonErrorsRequestHandler(web.RequestHandler):
+    """aiohttp's connection handler, but a request it cannot read is answered with a JSON
+    error (:func:`unreadable_request`) like every other answer instead of aiohttp's plain
+    text. Such a request never reaches the app (no route, no middleware), so this is the only
+    place that can answer it; its connection is closed, as aiohttp does."""
+
+    def handle_error(self, request: BaseRequest, status: int = 500,
+                     exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        error = unreadable_request(status, exc, message)
+        if error.status >= 500:
+            self.log_exception("Error handling request from %s", request.remote, exc_info=exc)
+        else:  # the client's mistake: no traceback in the worker's log
+            log.debug("answered %d %s to %s: %s", error.status, error.code, request.remote,
+                      exc or message)
+        if request.writer.output_size > 0:  # as aiohttp: too late for another answer
+            raise ConnectionError("Response is sent already, cannot send another response "
+                                  "with the error message")
+        response = web.json_response(error.body(), status=error.status)
+        response.force_close()
+        return response
+
+
+class _JsonErrorsServer(web.Server):
+    """aiohttp's server (the protocol factory a site listens with), whose connections are
+    :class:`JsonErrorsRequestHandler`: aiohttp has no setting for the handler's class."""
+
+    def __call__(self) -> web.RequestHandler:
+        return JsonErrorsRequestHandler(self, loop=self._loop, **self._kwargs)
+
+
+class JsonErrorsAppRunner(web.AppRunner):
+    """An :class:`~aiohttp.web.AppRunner` whose server reads URLs up to
+    :data:`MAX_URL_BYTES` and headers up to :data:`MAX_HEADER_BYTES` and answers a request it
+    cannot read in JSON (:class:`JsonErrorsRequestHandler`)."""
+
+    def __init__(self, app: web.Application, **kwargs: Any) -> None:
+        super().__init__(app, max_line_size=MAX_URL_BYTES, max_field_size=MAX_HEADER_BYTES,
+                         **kwargs)
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        # the server the app built, its settings kept; only the handler it makes differs
+        server.__class__ = _JsonErrorsServer
+        return server

@@ -34,8 +34,9 @@ def test_a_request_topic_that_exists_sizes_the_tables_and_says_the_setting_is_no
     assert plan.partitions == 4
     assert plan.notes == [
         "topic_partitions=16 is not used: inference-request already has 4 partitions, so the "
-        "tables use 4 (to change an existing deployment's count, see `streamapp tables "
-        "rebuild` in docs/tables.md)"
+        "tables use 4; set STREAMAPP_TOPIC_PARTITIONS=4 (or --topic-partitions 4) to match the "
+        "topics and silence this warning, e.g. after `streamapp tables rebuild` (to change the "
+        "topics' count, see `streamapp tables rebuild` in docs/tables.md)"
     ]
 
 

@@ -281,3 +281,69 @@ def test_piped_output_is_wide_unless_columns_is_set(
     narrow = capsys.readouterr().out
     assert "retry/s" in wide and max(len(line) for line in wide.splitlines()) > 80
     assert "retry/s" not in narrow and max(len(line) for line in narrow.splitlines()) <= 80
+
+
+
+def _busy_statuses() -> list[Any]:
+    """Two workers with wide figures (terminals of 120-135 columns cut them before)."""
+    from streamapp.status import WorkerStatus
+
+    return [
+        WorkerStatus("http://127.0.0.1:6066", worker="worker-1", ready=True, partitions=2,
+                     throughput_per_s=135.5, dead_letters_per_s=5.0, dlq_ratio=0.037,
+                     p50_ms=19.4, p99_ms=49.4, mean_batch=2.2, finished_total=1253),
+        WorkerStatus("http://10.20.30.40:6067", worker="worker-host-22", ready=True,
+                     partitions=16, throughput_per_s=12345.5, dead_letters_per_s=10.0,
+                     dlq_ratio=0.056, p50_ms=20.9, p99_ms=10_000.0, p99_beyond_buckets=True,
+                     mean_batch=62.7, inflight=4, lag=1234567, finished_total=123456789),
+    ]
+
+
+def _workers_table(width: int) -> str:
+    """The workers table (without the devices table) on a console ``width`` columns wide."""
+    from streamapp.status import render
+
+    console = Console(record=True, width=width)
+    console.print(render(_busy_statuses(), width=width, interval_s=3.0))
+    screen = console.export_text()
+    assert max(len(line) for line in screen.splitlines()) <= width
+    return screen.split("top 5 devices")[0]
+
+
+@pytest.mark.parametrize("width", [80, 100, 110, 120, 125, 130, 135, 140, 160, 200])
+def test_no_terminal_width_cuts_a_number_or_a_header(width: int) -> None:
+    table = _workers_table(width)
+
+    assert "…" not in table
+    for essential in ("worker", "ready", "parts", "req/s", "DLQ %", "p99 ms", "lag",
+                      "worker-host-22", "10.20.30.40:6067", "12,345.5", "12,481.0", "> 10,000",
+                      "1234567"):
+        assert essential in table, essential
+    # a column that is shown is shown whole: its header and every figure in it
+    for header, figures in (("finished*", ["1,253", "123,456,789", "123,458,042"]),
+                            ("batch", ["2.2", "62.7"]), ("DLQ/s", ["10.0", "15.0"]),
+                            ("p50 ms", ["19.4", "20.9"])):
+        if header in table:
+            assert all(f in table for f in figures), (header, figures)
+
+
+def test_the_full_table_where_it_fits_and_less_important_columns_go_first() -> None:
+    def headers(width: int) -> str:
+        return _workers_table(width).splitlines()[2]
+
+    wide = _workers_table(200)
+    assert all(h in headers(200) for h in ("finished*", "in-flight", "retry/s", "p50 ms"))
+    assert "worker-host-22 10.20.30.40:6067" in wide  # the address after the name
+    assert "worker-host-22 10.20.30.40:6067" not in _workers_table(140)  # ... under it
+    assert "finished*" not in headers(125) and "in-flight" in headers(125)  # first to go
+    assert "p50 ms" in headers(100) and "in-flight" not in headers(100)
+    assert "p50 ms" not in headers(80) and "DLQ/s" not in headers(80)  # last to go
+
+
+def test_a_terminal_too_narrow_for_the_essential_columns_wraps_numbers_never_cuts_them(
+) -> None:
+    table = _workers_table(50)
+    assert "…" not in table
+    lag = [line.split("│")[-2].strip() for line in table.splitlines() if line.startswith("│")]
+    first = lag.index(next(c for c in lag if c.startswith("12")))  # worker-host-22, folded
+    assert lag[first] != "1234567" and lag[first] + lag[first + 1] == "1234567"

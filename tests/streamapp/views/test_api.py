@@ -15,16 +15,19 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from streamapp.app import create_app
+from streamapp.children import free_port
 from streamapp.codecs import decode_request
 from streamapp.exceptions import InvalidRequestError
 from streamapp.faust_compat import PartitionMarks
 from streamapp.readiness import ProgressWatch
 from streamapp.settings import Settings
 from streamapp.views import ENDPOINTS, api_reference
+from streamapp.views.errors import MAX_HEADER_BYTES, MAX_URL_BYTES, unreadable_request
 
 API_DOC = (Path(__file__).resolve().parents[3] / "docs" / "api.md").read_text()
 
@@ -118,12 +121,114 @@ async def test_a_device_id_is_queryable_exactly_when_a_request_may_carry_it(
                                                 else (400, "bad_device_id")), body
 
 
-async def test_a_method_other_than_get_is_a_json_405(client: TestClient[Any, Any]) -> None:
-    response = await client.post("/ready")
+@pytest.mark.parametrize(("method", "path", "allowed"), [
+    ("POST", "/ready", "GET"),
+    ("DELETE", "/devices/cam1", "GET"),
+    ("GET", "/models/digits/load", "POST"),
+    ("PUT", "/models/digits/unload", "POST"),
+])
+async def test_a_method_a_path_does_not_answer_is_a_json_405_naming_those_it_does(
+    client: TestClient[Any, Any], method: str, path: str, allowed: str
+) -> None:
+    response = await client.request(method, path)
     body = await response.json()
 
     assert (response.status, body["error"]) == (405, "method_not_allowed")
-    assert body["message"] == "POST is not allowed on /ready; the web API answers GET"
+    assert body["message"] == (
+        f"{method} is not allowed on {path}; it answers {allowed} (docs/api.md)")
+    assert allowed in response.headers["Allow"]
+
+
+async def test_the_404_message_lists_every_route_with_its_method(
+    client: TestClient[Any, Any],
+) -> None:
+    response = await client.get("/nonexistent")
+    body = await response.json()
+
+    assert (response.status, body["error"]) == (404, "not_found")
+    listed = body["message"].removeprefix("no endpoint serves /nonexistent; the endpoints are ")
+    listed = listed.removesuffix(" (docs/api.md)").replace(" and ", ", ").split(", ")
+    assert sorted(listed) == sorted(f"{method} {path}" for method, path, *_ in ENDPOINTS)
+    assert {"GET /models", "POST /models/{name}/load", "POST /models/{name}/unload"} <= set(
+        listed)
+
+
+@pytest.fixture
+async def served(tmp_path: Path) -> AsyncIterator[str]:
+    """The app's web server as a worker starts it (Faust's driver, streamapp's runner) on a
+    free port; its URL."""
+    port = free_port()
+    app = create_app(Settings(app_id="views-test", data_dir=tmp_path, backend="onnxruntime",
+                              web_port=port))
+    await app.web.start_server()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await app.web.stop_server()
+
+
+@pytest.mark.parametrize(("url_bytes", "status", "code"), [
+    (MAX_URL_BYTES, 400, "bad_device_id"),  # read, and answered by the view
+    (MAX_URL_BYTES + 1, 414, "uri_too_long"),
+    (100_000, 414, "uri_too_long"),
+])
+async def test_a_url_over_the_limit_is_a_json_414_from_the_running_server(
+    served: str, url_bytes: int, status: int, code: str
+) -> None:
+    path = "/devices/" + "d" * (url_bytes - len("/devices/"))
+    async with aiohttp.ClientSession() as session, session.get(served + path) as response:
+        body = await response.json()
+
+    assert (response.status, response.content_type) == (status, "application/json")
+    assert (body["error"], body["status"]) == (code, status)
+    if status == 414:
+        assert body["message"] == (
+            "the URL (path and query) is longer than 8,192 bytes, the most the web API reads; "
+            "a device id is at most 256 characters (docs/api.md)")
+
+
+async def test_a_header_over_the_limit_is_a_json_431_from_the_running_server(
+    served: str,
+) -> None:
+    async with aiohttp.ClientSession() as session, session.get(
+        served + "/health", headers={"X-Big": "v" * (MAX_HEADER_BYTES + 1)}
+    ) as response:
+        body = await response.json()
+
+    assert (response.status, body) == (431, {
+        "error": "header_too_long", "status": 431,
+        "message": "a request header is longer than 8,190 bytes, the most the web API reads"})
+
+
+async def test_a_request_that_is_not_http_is_a_json_400_from_the_running_server(
+    served: str,
+) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", int(served.rsplit(":", 1)[1]))
+    writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n")
+    await writer.drain()
+    head, _, payload = (await reader.read()).partition(b"\r\n\r\n")  # then it closes
+    writer.close()
+
+    assert head.split(b"\r\n")[0].endswith(b" 400 Bad Request")
+    assert b"Content-Type: application/json" in head
+    body = json.loads(payload)
+    assert (body["error"], body["status"]) == ("bad_request", 400)
+    assert body["message"].startswith("the request is not valid HTTP/1.1: ")
+
+
+def test_a_failure_outside_the_views_is_a_json_500_too() -> None:
+    # what aiohttp's request handler passes on when an exception escapes the app
+    assert unreadable_request(500, RuntimeError("bug")).body() == {
+        "error": "internal_error", "status": 500,
+        "message": "the worker failed to answer; its log has the traceback"}
+
+
+async def test_the_running_server_answers_as_before(served: str) -> None:
+    async with aiohttp.ClientSession() as session:
+        async with session.get(served + "/health") as health:
+            assert (health.status, (await health.json())["status"]) == (200, "ok")
+        async with session.get(served + "/nonexistent") as missing:
+            assert (missing.status, (await missing.json())["error"]) == (404, "not_found")
 
 
 async def test_a_device_listing_when_nothing_is_owned(client: TestClient[Any, Any]) -> None:
