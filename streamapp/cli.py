@@ -655,10 +655,12 @@ def dlq_replay(
     """Re-publish the original requests of matching dead letters to the request topic.
 
     Each original key and value is sent unchanged, so the worker handles it as a new request
-    (attempt 0). Fix the cause first; replaying twice sends the requests twice.
+    (attempt 0). Fix the cause first; replaying twice sends the requests twice. A dead letter
+    of the retry topic (invalid_retry_record) is replayed as the request its retry record
+    carries, when that can be read; letters that hold no request are skipped and counted.
     """
     from streamapp.codecs import REASONS
-    from streamapp.dlq import DeadLetterFilter, replay_dead_letters
+    from streamapp.dlq import DeadLetterFilter, describe_causes, replay_dead_letters
 
     settings, security = _topic_context(broker, topic_prefix)
     where = DeadLetterFilter(reason=reason, device=device, since=_since(since))
@@ -673,23 +675,29 @@ def dlq_replay(
             replay_dead_letters(
                 settings.bootstrap_servers, settings.dlq_topic, settings.request_topic,
                 where=where, dry_run=dry_run, security=security,
+                retry_topic=settings.retry_topic,
             )
         )
     except (StreamAppError, KafkaError) as exc:
         raise _fail(_error_line(exc, settings.bootstrap_servers)) from None
+    recreated = (
+        f" ({report.recreated} of them re-created from the retry record that held the request)"
+        if report.recreated else ""
+    )
     not_replayable = (
-        f"; {report.skipped} matching cannot be replayed (original value or key not kept, or "
-        f"an undecodable record batch)" if report.skipped else ""
+        f"; {report.skipped} matching cannot be replayed, they hold no request "
+        f"({describe_causes(report.not_replayed)})" if report.skipped else ""
     )
     if dry_run:
         typer.echo(
             f"dry run: would replay {report.matched - report.skipped} dead letters "
-            f"({where.describe()}) to {report.request_topic}; nothing published{not_replayable}"
+            f"({where.describe()}) to {report.request_topic}{recreated}; nothing published"
+            f"{not_replayable}"
         )
     else:
         typer.echo(
             f"replayed {report.replayed} dead letters ({where.describe()}) to "
-            f"{report.request_topic}{not_replayable}"
+            f"{report.request_topic}{recreated}{not_replayable}"
         )
 
 

@@ -8,16 +8,26 @@ right on every broker, not Tansu's wrong ListOffsets answer).
 A replay re-publishes each matching dead letter's *original* key and value, byte for byte, to the
 request topic. The worker sees a brand-new request (attempt 0, no retry history), so a replay
 should follow a fix of whatever made the requests fail; replaying twice sends them twice.
+
+Not every dead letter holds a request (:func:`replay_record`): an ``invalid_retry_record``
+letter holds the retry-topic record the worker could not use (a retry envelope keyed by
+request_id), so the request it carries (its ``key`` and ``value`` fields) is re-created and
+replayed when it can be read, and the letter is skipped otherwise; letters whose value was left
+out, or that stand for an undecodable record batch, are skipped. Nothing but a request's own
+key and value ever reaches the request topic.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import json
 import logging
 import shutil
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiokafka import AIOKafkaProducer, TopicPartition
@@ -29,15 +39,21 @@ from streamapp.records import DeadLetter
 from streamapp.tail import TopicReader, display_width, iso_utc, pad, parse_since
 
 __all__ = [
+    "NOT_KEPT",
+    "RECORD_BATCH",
+    "UNREADABLE_RETRY_RECORD",
     "DeadLetterEntry",
     "DeadLetterFilter",
     "DeadLetterReader",
+    "ReplayRecord",
     "ReplayReport",
+    "describe_causes",
     "format_entries",
     "format_json_lines",
     "parse_since",
     "read_dead_letters",
     "replay_dead_letters",
+    "replay_record",
     "replayable",
 ]
 
@@ -163,6 +179,30 @@ async def read_dead_letters(
     return [e for e in entries if where.matches(e)]
 
 
+#: Why a matching dead letter is not replayed (the keys of :attr:`ReplayReport.not_replayed`).
+NOT_KEPT = "original value or key not kept"
+RECORD_BATCH = "an undecodable record batch, not a request"
+UNREADABLE_RETRY_RECORD = "a retry-topic record whose original request cannot be read"
+
+#: The reason of a dead letter that holds a retry-topic record as it was read (not a request).
+_RETRY_RECORD_REASON = "invalid_retry_record"
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayRecord:
+    """What a replay sends to the request topic for one dead letter.
+
+    Attributes:
+        key / value: The original request record's key and value.
+        recreated: They were read from the retry record the dead letter holds (an
+            ``invalid_retry_record`` letter), not taken from the letter's own key and value.
+    """
+
+    key: bytes | None
+    value: bytes
+    recreated: bool = False
+
+
 @dataclass(frozen=True, slots=True)
 class ReplayReport:
     """What a replay did.
@@ -172,11 +212,17 @@ class ReplayReport:
         replayed: Requests re-published (0 on a dry run).
         request_topic: Where they went.
         dry_run: Nothing was published.
-        skipped: Matched dead letters that cannot be replayed because their original value or
-            key was left out (too large to keep: ``extra.value_omitted`` / ``key_omitted``,
-            e.g. ``unproducible_outcome``), or that stand for an offset of a record batch the
-            worker could not decode (``extra.record_batch``); re-publishing them would send an
-            empty value or a whole batch as one value.
+        skipped: Matched dead letters that were not replayed because they hold no request
+            (:func:`replay_record`): their original value or key was left out (too large to
+            keep: ``extra.value_omitted`` / ``key_omitted``, e.g. ``unproducible_outcome``), they
+            stand for an offset of a record batch the worker could not decode
+            (``extra.record_batch``), or they hold a retry-topic record whose original request
+            cannot be read (``invalid_retry_record``). Re-publishing them would send an empty
+            value, a whole batch or a retry envelope as a request.
+        recreated: Of the dead letters replayed (on a dry run: that would be), those whose
+            request was re-created from the retry record they hold (``invalid_retry_record``).
+        not_replayed: ``skipped`` by cause (:data:`NOT_KEPT`, :data:`RECORD_BATCH`,
+            :data:`UNREADABLE_RETRY_RECORD`).
     """
 
     matched: int
@@ -184,12 +230,77 @@ class ReplayReport:
     request_topic: str
     dry_run: bool
     skipped: int = 0
+    recreated: int = 0
+    not_replayed: Mapping[str, int] = field(default_factory=dict)
+
+
+def _holds_retry_record(letter: DeadLetter, retry_topic: str | None) -> bool:
+    """Whether the letter's value is a record of the retry topic as it was read: the worker
+    keeps the original request (and its source) of every retry record it decoded, so only a
+    retry record it could not decode (``invalid_retry_record``) is dead-lettered as is."""
+    if letter.error.get("reason") == _RETRY_RECORD_REASON:
+        return True
+    return retry_topic is not None and (letter.source or {}).get("topic") == retry_topic
+
+
+def _request_in_retry_record(value: bytes) -> tuple[bytes, bytes] | None:
+    """The original request's ``(key, value)`` a retry record carries (base64 in its ``key``
+    and ``value`` fields), or None when they cannot be read or cannot be a retried request: a
+    request is retried only once decoded, so its key and value are not empty and the key is its
+    ``device_id`` (the record's ``device_id`` field)."""
+    try:
+        body = json.loads(value.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    if not isinstance(body, dict):
+        return None
+    key, original, device = body.get("key"), body.get("value"), body.get("device_id")
+    if not (isinstance(key, str) and isinstance(original, str) and isinstance(device, str)):
+        return None
+    try:
+        key_bytes = base64.b64decode(key, validate=True)
+        value_bytes = base64.b64decode(original, validate=True)
+    except (binascii.Error, ValueError):
+        return None
+    if not value_bytes or not key_bytes or key_bytes != device.encode("utf-8"):
+        return None
+    return key_bytes, value_bytes
+
+
+def replay_record(letter: DeadLetter, *, retry_topic: str | None = None) -> ReplayRecord | str:
+    """What replaying ``letter`` sends to the request topic, or why nothing.
+
+    Args:
+        letter: A dead letter.
+        retry_topic: The retry topic's name; a letter whose ``source`` is that topic holds a
+            retry record as it was read (so does every ``invalid_retry_record`` letter).
+
+    Returns:
+        The original key and value, byte for byte: the letter's own, or, for a letter that holds
+        a retry record, the request that record carries (``recreated``). Else why the letter
+        cannot be replayed: :data:`RECORD_BATCH` (its value is a batch or empty),
+        :data:`NOT_KEPT` (its value or key was left out), :data:`UNREADABLE_RETRY_RECORD` (a
+        retry record whose ``key``/``value`` fields are not base64 of a non-empty request keyed
+        by its ``device_id``).
+    """
+    extra = set(letter.extra or {})
+    if "record_batch" in extra:
+        return RECORD_BATCH
+    if {"value_omitted", "key_omitted"} & extra:
+        return NOT_KEPT
+    if _holds_retry_record(letter, retry_topic):
+        request = _request_in_retry_record(letter.value)
+        if request is None:
+            return UNREADABLE_RETRY_RECORD
+        return ReplayRecord(*request, recreated=True)
+    return ReplayRecord(letter.key, letter.value)
 
 
 def replayable(letter: DeadLetter) -> bool:
-    """Whether a dead letter still holds its original key and value byte for byte (never one
-    of an undecodable record batch: its value is the batch, or empty)."""
-    return not ({"value_omitted", "key_omitted", "record_batch"} & set(letter.extra or {}))
+    """Whether replaying a dead letter sends a request (:func:`replay_record`): never one whose
+    original value or key was left out, nor one of an undecodable record batch (its value is
+    the batch, or empty), nor a retry record whose original request cannot be read."""
+    return isinstance(replay_record(letter), ReplayRecord)
 
 
 async def replay_dead_letters(
@@ -201,15 +312,20 @@ async def replay_dead_letters(
     dry_run: bool = False,
     security: Mapping[str, Any] | None = None,
     timeout_s: float = 30.0,
+    retry_topic: str | None = None,
 ) -> ReplayReport:
-    """Re-publish the original key and value of every matching dead letter to the request topic.
+    """Re-publish the original request of every matching dead letter to the request topic.
 
     The values are sent unchanged, so the worker treats each as a new request: attempt 0 and no
     retry history. Within a DLQ partition (so for each device) the original order is kept.
+    Dead letters that hold no request are skipped and counted by cause; one that holds a retry
+    record is replayed as the request that record carries (:func:`replay_record`).
 
     Args:
         where: Which dead letters; give at least a reason (the CLI requires one).
         dry_run: Count, publish nothing.
+        retry_topic: The retry topic (``settings.retry_topic``): letters read from it hold
+            retry records, not requests.
 
     Returns:
         The counts, after the broker acknowledged every record (``acks=all``).
@@ -220,28 +336,36 @@ async def replay_dead_letters(
     matched = await read_dead_letters(
         bootstrap_servers, dlq_topic, where=where, security=security, timeout_s=timeout_s
     )
-    entries = [e for e in matched if replayable(e.letter)]
-    skipped = len(matched) - len(entries)
+    plans = [replay_record(e.letter, retry_topic=retry_topic) for e in matched]
+    records = [plan for plan in plans if isinstance(plan, ReplayRecord)]
+    not_replayed = dict(Counter(plan for plan in plans if isinstance(plan, str)))
+    skipped = len(matched) - len(records)
+    recreated = sum(r.recreated for r in records)
     if skipped:
-        log.warning("%d matching dead letters cannot be replayed: their original value or key "
-                    "was too large to keep (extra.value_omitted / key_omitted), or they stand "
-                    "for an undecodable record batch (extra.record_batch)", skipped)
-    if dry_run or not entries:
-        return ReplayReport(len(matched), 0, request_topic, dry_run, skipped)
+        log.warning("%d matching dead letters are not replayed: they hold no request (%s)",
+                    skipped, describe_causes(not_replayed))
+    if dry_run or not records:
+        return ReplayReport(len(matched), 0, request_topic, dry_run, skipped, recreated,
+                            not_replayed)
     producer = AIOKafkaProducer(
         bootstrap_servers=bootstrap_servers, acks="all", linger_ms=5, **(security or {})
     )
     await start_or_close(producer)
     try:
         # One send at a time per partition keeps order; the futures resolve on acknowledgement.
-        futures = [
-            await producer.send(request_topic, e.letter.value, key=e.letter.key) for e in entries
-        ]
+        futures = [await producer.send(request_topic, r.value, key=r.key) for r in records]
         await asyncio.gather(*futures)
     finally:
         await producer.stop()
-    log.info("replayed %d dead letters (%s) to %s", len(entries), where.describe(), request_topic)
-    return ReplayReport(len(matched), len(entries), request_topic, dry_run, skipped)
+    log.info("replayed %d dead letters (%s) to %s", len(records), where.describe(), request_topic)
+    return ReplayReport(len(matched), len(records), request_topic, dry_run, skipped, recreated,
+                        not_replayed)
+
+
+def describe_causes(not_replayed: Mapping[str, int]) -> str:
+    """``cause: count, ...`` of :attr:`ReplayReport.not_replayed`, most frequent first."""
+    return ", ".join(f"{cause}: {count}" for cause, count in
+                     sorted(not_replayed.items(), key=lambda item: (-item[1], item[0])))
 
 
 # -- presentation -------------------------------------------------------------------------------

@@ -13,14 +13,26 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_origin
 
-from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import (
+    Field,
+    SecretStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from engines.registry import AUTO, registered_backends
 from streamapp.exceptions import ConfigError
 
 __all__ = [
+    "BROKER_FORMS",
     "DEFAULT_TOPIC_PARTITIONS",
+    "MAX_BATCH_SIZE",
+    "TRANSACTION_TIMEOUT_MS",
+    "UPPER_BOUNDS",
     "WEB_OPEN_PATHS",
     "Backend",
     "BrokerKind",
@@ -59,6 +71,96 @@ DEFAULT_TOPIC_PARTITIONS = 16
 #: (Tansu holds each JoinGroup for half the session timeout).
 _FAST_GROUP = {"session_timeout_s": 6.0, "heartbeat_interval_s": 1.0, "rebalance_timeout_s": 6.0}
 
+#: The forms a bootstrap server may take in ``broker`` (the only scheme is Kafka's, as in
+#: Faust's URLs and :attr:`streamapp.broker.EmbeddedBroker.url`).
+BROKER_FORMS = "kafka://host:port or host:port (several separated by ';' or ',')"
+
+#: How long the broker keeps the open transaction of a worker that died before it aborts it
+#: (ms): ``read_committed`` readers of its partitions wait that long behind it, unless the
+#: worker restarts in place sooner (its restart aborts it at once). Kafka Streams uses 10 s;
+#: 20 s leaves room for a loaded 2-core machine (a commit that takes longer stops the worker).
+#: With exactly_once, ``commit_interval_ms`` may be at most half of it.
+TRANSACTION_TIMEOUT_MS = 20_000
+
+#: Most requests in one batch: see ``UPPER_BOUNDS["max_batch_size"]``.
+MAX_BATCH_SIZE = 4096
+
+_MINUTE_MS = 60_000.0
+_HOUR_MS = 3_600_000.0
+
+#: Upper bounds of numeric settings, and why each is there: a larger value would make a worker
+#: fail or look hung (often a value in the wrong unit). Settings validation refuses one with
+#: this reason; each setting's description (docs/settings.md) states its bound.
+UPPER_BOUNDS: dict[str, tuple[float, str]] = {
+    "topic_partitions": (
+        1024, "the worker creates seven topics of this many partitions (request, result, DLQ, "
+        "retry and the three table changelogs) and opens a table store per partition it owns",
+    ),
+    "max_batch_size": (
+        MAX_BATCH_SIZE, "engines size their buffers for this many rows (the GPU executor "
+        "allocates pinned host and GPU memory of max_batch_size rows per CUDA stream and batch "
+        "in flight when it loads a model: 2.3 GiB a buffer at 4096 rows of a 3x224x224 float32 "
+        "input), and the worker keeps reading until max_batch_size x (max_inflight_batches + 1) "
+        "requests wait",
+    ),
+    "max_inflight_batches": (
+        64, "each batch in flight holds an engine thread (CPU) or a pinned staging slot of "
+        "max_batch_size rows (GPU executor), and the worker keeps reading until "
+        "max_batch_size x (max_inflight_batches + 1) requests wait",
+    ),
+    "cuda_streams": (
+        32, "a GPU runs the work of at most 32 streams concurrently "
+        "(CUDA_DEVICE_MAX_CONNECTIONS), and each stream holds GPU buffers of max_batch_size rows",
+    ),
+    "fetch_max_wait_ms": (
+        _MINUTE_MS, "a fetch that waits longer than request_timeout_s times out, and at light "
+        "load every request would wait this long",
+    ),
+    "producer_linger_ms": (
+        _MINUTE_MS, "every result, retry and dead letter would wait this long before it is "
+        "sent, and its request's commit with it",
+    ),
+    "intake_wait_ms": (_MINUTE_MS, "at light load every request would wait this long"),
+    "max_batch_delay_ms": (_MINUTE_MS, "at light load every request would wait this long"),
+    "max_batch_hold_ms": (
+        _MINUTE_MS, "with a backlog every batch could be held this long",
+    ),
+    "gpu_server_batch_delay_ms": (
+        _MINUTE_MS, "every batch of the executor server could wait this long",
+    ),
+    "commit_interval_ms": (
+        _MINUTE_MS, "a crash re-delivers everything finished since the last commit",
+    ),
+    "state_flush_interval_ms": (
+        _HOUR_MS, "at light load a request's offset is committed only after this flush",
+    ),
+    "retry_backoff_max_ms": (
+        _HOUR_MS, "the retry agent refuses a retry record due more than a day ahead "
+        "(MAX_RETRY_DELAY_S) as invalid_retry_record, and an hour stays within it whatever the "
+        "jitter",
+    ),
+    "ready_probe_timeout_ms": (
+        _MINUTE_MS, "/ready would answer no sooner than this when the broker does not",
+    ),
+    "web_cache_ms": (_MINUTE_MS, "/metrics and /devices would answer that old a snapshot"),
+    "session_timeout_s": (
+        1800.0, "Kafka brokers refuse a longer session (group.max.session.timeout.ms, 30 "
+        "minutes by default), so the worker would never join its group",
+    ),
+    "rebalance_timeout_s": (
+        3600.0, "a member that does not rejoin would hold up the group's rebalance this long",
+    ),
+    "request_timeout_s": (
+        3600.0, "a broker that does not answer would stall the worker this long",
+    ),
+}
+
+
+def _bound(name: str) -> str:
+    """The sentence a bounded setting's description ends with."""
+    bound, why = UPPER_BOUNDS[name]
+    return f" At most {bound:,.0f}: {why}."
+
 
 class Settings(BaseSettings):
     """Worker settings. Field names carry their units.
@@ -69,14 +171,19 @@ class Settings(BaseSettings):
     """
 
     # hide_input_in_errors: a validation error must not print the inputs (sasl_password).
+    # allow_inf_nan=False: every float setting is a finite number ("inf" is no bound and no
+    # delay; the upper bounds are in UPPER_BOUNDS).
     model_config = SettingsConfigDict(
-        env_prefix="STREAMAPP_", frozen=True, extra="forbid", hide_input_in_errors=True
+        env_prefix="STREAMAPP_", frozen=True, extra="forbid", hide_input_in_errors=True,
+        allow_inf_nan=False,
     )
 
     # -- Kafka ---------------------------------------------------------------------------------
     broker: str = Field(
         "kafka://127.0.0.1:9092",
-        description="Bootstrap servers, Faust URL form: kafka://host:port[;kafka://host2:port].",
+        description="Bootstrap servers: kafka://host:port or host:port, several separated "
+        "by ';' or ',' (kafka://host:port;kafka://host2:port). No other scheme: TLS and SASL "
+        "are set by security_protocol.",
     )
     broker_kind: BrokerKind = Field(
         "auto",
@@ -100,7 +207,8 @@ class Settings(BaseSettings):
         description="Partitions of the request, result, DLQ and retry topics when the worker "
         "creates them (and of the tables' changelogs); the most workers that can share the load "
         "(16: room for `worker --processes 12` on one host, docs/scaling.md). Fixed for a "
-        "deployment: the tables are partitioned like the request topic (docs/settings.md).",
+        "deployment: the tables are partitioned like the request topic (docs/settings.md)."
+        + _bound("topic_partitions"),
     )
     topic_replication_factor: int = Field(
         1, ge=1,
@@ -117,22 +225,26 @@ class Settings(BaseSettings):
     result_codec: Codec = Field("json", description="Encoding of result records.")
     session_timeout_s: float = Field(
         _FAST_GROUP["session_timeout_s"], gt=0,
-        description="Consumer group session timeout (s); a dead worker is noticed after this.",
+        description="Consumer group session timeout (s); a dead worker is noticed after this."
+        + _bound("session_timeout_s"),
     )
     heartbeat_interval_s: float = Field(
         _FAST_GROUP["heartbeat_interval_s"], gt=0, description="Group heartbeat interval (s)."
     )
     rebalance_timeout_s: float = Field(
-        _FAST_GROUP["rebalance_timeout_s"], gt=0, description="Group rebalance timeout (s)."
+        _FAST_GROUP["rebalance_timeout_s"], gt=0,
+        description="Group rebalance timeout (s)." + _bound("rebalance_timeout_s"),
     )
     request_timeout_s: float = Field(
-        30.0, gt=0, description="Kafka request timeout (s); must exceed session_timeout_s."
+        30.0, gt=0,
+        description="Kafka request timeout (s); must exceed session_timeout_s and "
+        "fetch_max_wait_ms." + _bound("request_timeout_s"),
     )
     fetch_max_wait_ms: float = Field(
         25.0, gt=0,
         description="Longest a fetch waits for data (ms). Faust fixes 1500 ms; the embedded "
         "broker always waits that long when a partition is idle, so it sets the latency floor "
-        "at light load.",
+        "at light load. Below request_timeout_s." + _bound("fetch_max_wait_ms"),
     )
     metadata_refresh_interval_s: float = Field(
         30.0, ge=1.0,
@@ -147,7 +259,9 @@ class Settings(BaseSettings):
         "its restarts (e.g. the pod name); a restarted worker then gets its partitions back "
         "without a rebalance. Empty: dynamic membership.",
     )
-    producer_linger_ms: float = Field(1.0, ge=0, description="Producer batching delay.")
+    producer_linger_ms: float = Field(
+        1.0, ge=0, description="Producer batching delay (ms)." + _bound("producer_linger_ms")
+    )
     intake: Intake = Field(
         "direct",
         description="How fetched requests and retries reach the agents: 'direct' (each "
@@ -161,7 +275,7 @@ class Settings(BaseSettings):
         description="With intake='faust': longest the agents wait for more records before "
         "handling what they read (ms; Faust's take_events). Records are admitted, decoded "
         "and queued in chunks of up to max_batch_size; at light load this adds at most this "
-        "much latency.",
+        "much latency." + _bound("intake_wait_ms"),
     )
     max_poll_records: int = Field(
         5000, ge=1,
@@ -178,12 +292,20 @@ class Settings(BaseSettings):
     )
 
     # -- Batching and engines --------------------------------------------------------------------
-    max_batch_size: int = Field(32, ge=1, description="A batch closes at this many requests.")
+    max_batch_size: int = Field(
+        32, ge=1,
+        description="A batch closes at this many requests (an engine with a smaller max batch, "
+        "e.g. a TensorRT plan's optimization profile, caps it)." + _bound("max_batch_size"),
+    )
     max_batch_delay_ms: float = Field(
-        5.0, ge=0, description="A batch closes this long after its first request (ms)."
+        5.0, ge=0,
+        description="A batch closes this long after its first request (ms)."
+        + _bound("max_batch_delay_ms"),
     )
     max_inflight_batches: int = Field(
-        2, ge=1, description="Batches running at once; reading pauses beyond this (backpressure)."
+        2, ge=1,
+        description="Batches running at once; reading pauses beyond this (backpressure)."
+        + _bound("max_inflight_batches"),
     )
     backend: Backend = Field(
         "auto", description="Engine backend: onnxruntime, tensorrt, torch, or 'auto' (the first "
@@ -193,7 +315,8 @@ class Settings(BaseSettings):
     cuda_streams: int = Field(
         2, ge=1,
         description="CUDA streams of the GPU executor (GPU backends only); batches in flight "
-        "are spread over them, ceil(max_inflight_batches / cuda_streams) per stream.",
+        "are spread over them, ceil(max_inflight_batches / cuda_streams) per stream."
+        + _bound("cuda_streams"),
     )
     cuda_inline_pack_kib: int = Field(
         256, ge=0,
@@ -242,7 +365,8 @@ class Settings(BaseSettings):
         2.0, ge=0,
         description="Longest the executor server holds a merged batch open for other "
         "workers' batches after the first one arrived (ms); while every executor slot is busy "
-        "it keeps filling anyway. Only with gpu_executor=shared.",
+        "it keeps filling anyway. Only with gpu_executor=shared."
+        + _bound("gpu_server_batch_delay_ms"),
     )
     gpu_server_wait_s: float = Field(
         60.0, ge=0,
@@ -305,7 +429,9 @@ class Settings(BaseSettings):
         50.0, gt=0,
         description="How often finished source offsets are committed (ms). A record is finished "
         "once the device state flush after its outcome ran (state_flush_interval_ms, "
-        "state_flush_max_records); docs/delivery.md gives what a crash re-delivers.",
+        "state_flush_max_records); docs/delivery.md gives what a crash re-delivers. With "
+        f"exactly_once at most {TRANSACTION_TIMEOUT_MS // 2:,} (half the transaction timeout: "
+        "a transaction stays open for one interval)." + _bound("commit_interval_ms"),
     )
     processing_guarantee: ProcessingGuarantee = Field(
         "at_least_once",
@@ -324,7 +450,8 @@ class Settings(BaseSettings):
         "offset is committed only after the flush that follows its outcome, so a crash "
         "re-delivers what was in flight, what finished since the last flush (at most "
         "state_flush_max_records) and what finished within one commit_interval_ms. 0 writes "
-        "after every group of outcomes produced (the most changelog records).",
+        "after every group of outcomes produced (the most changelog records)."
+        + _bound("state_flush_interval_ms"),
     )
     max_batch_hold_ms: float = Field(
         20.0, ge=0,
@@ -332,7 +459,7 @@ class Settings(BaseSettings):
         "the last one read, by the fetch high watermark), a batch not full when "
         "max_batch_delay_ms passed keeps filling for the records already waiting, up to this "
         "long after its first request (ms): full batches when intake, not the engine, is the "
-        "limit. At or below max_batch_delay_ms: never held.",
+        "limit. At or below max_batch_delay_ms: never held." + _bound("max_batch_hold_ms"),
     )
     state_flush_max_records: int = Field(
         1024, ge=1,
@@ -354,7 +481,9 @@ class Settings(BaseSettings):
     retry_backoff_base_ms: float = Field(
         200.0, ge=0, description="Backoff before retry n is base * 2**(n-1) (ms), capped."
     )
-    retry_backoff_max_ms: float = Field(10_000.0, ge=0, description="Backoff cap (ms).")
+    retry_backoff_max_ms: float = Field(
+        10_000.0, ge=0, description="Backoff cap (ms)." + _bound("retry_backoff_max_ms")
+    )
     retry_jitter: float = Field(
         0.2, ge=0, le=1,
         description="Backoff is multiplied by a uniform factor in [1 - jitter, 1 + jitter].",
@@ -369,7 +498,8 @@ class Settings(BaseSettings):
         1000.0, gt=0,
         description="How long /ready waits for a bootstrap server to answer a Kafka "
         "ApiVersions request (ms); none answering makes the worker not ready "
-        "(broker_responsive). Keep a Kubernetes readinessProbe's timeoutSeconds above it.",
+        "(broker_responsive). Keep a Kubernetes readinessProbe's timeoutSeconds above it."
+        + _bound("ready_probe_timeout_ms"),
     )
     ready_stall_s: float = Field(
         15.0, ge=0,
@@ -409,7 +539,7 @@ class Settings(BaseSettings):
         250.0, ge=0,
         description="/metrics is rendered, and the /devices listing's snapshot taken, at most "
         "once per this interval (ms); between, answers come from memory. The snapshot is also "
-        "kept at least four times as long as taking it lasted.",
+        "kept at least four times as long as taking it lasted." + _bound("web_cache_ms"),
     )
     web_token: SecretStr = Field(
         SecretStr(""),
@@ -582,23 +712,68 @@ class Settings(BaseSettings):
                 f"session_timeout_s ({self.session_timeout_s}) (Kafka clients require it); "
                 "raise STREAMAPP_REQUEST_TIMEOUT_S too"
             )
+        if self.fetch_max_wait_ms >= self.request_timeout_s * 1000.0:
+            raise ValueError(
+                f"fetch_max_wait_ms ({self.fetch_max_wait_ms}) must be shorter than "
+                f"request_timeout_s ({self.request_timeout_s} s): the broker holds a fetch that "
+                "long when there is nothing to read, and the client gives it up after "
+                "request_timeout_s"
+            )
+        most = TRANSACTION_TIMEOUT_MS / 2
+        if self.processing_guarantee == "exactly_once" and self.commit_interval_ms > most:
+            raise ValueError(
+                f"commit_interval_ms ({self.commit_interval_ms}) must be at most {most:,.0f} "
+                "with processing_guarantee=exactly_once: each interval is one Kafka "
+                f"transaction, which the broker aborts after {TRANSACTION_TIMEOUT_MS:,} ms "
+                "(that stops the worker)"
+            )
         return self
 
     @field_validator("broker")
     @classmethod
     def _broker_addresses(cls, value: str) -> str:
-        # Each server as host:port with a TCP port: a port past 65535 reached the socket
-        # layer as a traceback (OverflowError) in every command.
+        # Each server as [kafka://]host:port with a TCP port: a port past 65535 reached the
+        # socket layer as a traceback (OverflowError) in every command, and any other scheme
+        # (http://, tcp://, SASL_SSL://) was dropped silently by bootstrap_servers.
         for part in (p.strip() for p in value.replace(",", ";").split(";")):
             if not part:
                 continue
-            address = part.split("://", 1)[-1]
-            host, sep, port = address.rpartition(":")
-            if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-                raise ValueError(
-                    f"{part!r} is not host:port with a port of 1-65535 "
-                    "(e.g. kafka://127.0.0.1:9092)"
+            scheme, sep, address = part.partition("://")
+            if not sep:
+                address = part
+            elif scheme.lower() != "kafka":
+                # A listener's protocol name (SASL_SSL://host:port) is a setting of its own.
+                hint = (
+                    f"; the protocol is set by STREAMAPP_SECURITY_PROTOCOL={scheme.upper()}"
+                    if scheme.upper() in get_args(SecurityProtocol) else ""
                 )
+                raise PydanticCustomError(
+                    "broker_scheme",
+                    "{part} has the scheme {scheme}://, not Kafka's: give "
+                    "{forms}{hint}",
+                    {"part": repr(part), "scheme": scheme, "forms": BROKER_FORMS, "hint": hint},
+                )
+            host, sep, port = address.rpartition(":")
+            if (not sep or not host or "/" in host or not port.isdigit()
+                    or not 1 <= int(port) <= 65535):
+                raise PydanticCustomError(
+                    "broker_address",
+                    "{part} is not host:port with a port of 1-65535: give {forms}, e.g. "
+                    "kafka://127.0.0.1:9092",
+                    {"part": repr(part), "forms": BROKER_FORMS},
+                )
+        return value
+
+    @field_validator(*UPPER_BOUNDS)
+    @classmethod
+    def _at_most(cls, value: float, info: ValidationInfo) -> float:
+        bound, why = UPPER_BOUNDS[str(info.field_name)]
+        if value > bound:
+            got = f"{value:,.0f}" if float(value).is_integer() else str(value)
+            raise PydanticCustomError(
+                "at_most", "must be at most {bound}, not {got}: {why}",
+                {"bound": f"{bound:,.0f}", "got": got, "why": why},
+            )
         return value
 
     @field_validator("backend")

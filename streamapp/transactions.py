@@ -65,7 +65,7 @@ from aiokafka.structs import OffsetAndMetadata, TopicPartition
 
 from streamapp.exceptions import BrokerError, ConfigError
 from streamapp.offsets import TP
-from streamapp.settings import Settings
+from streamapp.settings import TRANSACTION_TIMEOUT_MS, Settings
 
 __all__ = [
     "TRANSACTION_TIMEOUT_MS",
@@ -81,11 +81,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: How long the broker keeps the open transaction of a worker that died before it aborts it
-#: (ms): ``read_committed`` readers of its partitions wait that long behind it, unless the
-#: worker restarts in place sooner (its restart aborts it at once). Kafka Streams uses 10 s;
-#: 20 s leaves room for a loaded 2-core machine (a commit that takes longer stops the worker).
-TRANSACTION_TIMEOUT_MS = 20_000
+# TRANSACTION_TIMEOUT_MS (defined in streamapp.settings, which bounds commit_interval_ms by
+# it): how long the broker keeps the open transaction of a worker that died before it aborts it.
 
 
 def check_guarantee(settings: Settings) -> None:

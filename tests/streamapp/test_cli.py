@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from streamapp.cli import cli
 from streamapp.exceptions import BrokerError
 from streamapp.kafka import describe_error
-from streamapp.settings import Settings
+from streamapp.settings import BROKER_FORMS, UPPER_BOUNDS, Settings
 
 COMMANDS = [["broker"], ["worker"], ["publish"], ["demo"], ["settings"], ["status"],
             ["dlq", "tail"], ["dlq", "replay"], ["results", "tail"]]
@@ -107,6 +107,41 @@ def test_an_unreachable_broker_is_one_line_naming_no_type_twice(
         f"error: cannot talk to the broker at 127.0.0.1:{closed}: no broker answered "
         "(connection refused or timed out). Is it running (streamapp broker), and are --broker "
         "/ STREAMAPP_BROKER and the security settings right?")
+
+
+BROKER_COMMANDS = [["worker"], ["publish"], ["dlq", "tail"], ["dlq", "replay", "-r", "x"],
+                   ["results", "tail"], ["tables", "rebuild"]]
+
+
+@pytest.mark.parametrize("command", BROKER_COMMANDS, ids=" ".join)
+@pytest.mark.parametrize("source", ["flag", "environment"])
+def test_a_broker_url_with_another_scheme_is_one_line_in_every_command(
+    runner: CliRunner, command: list[str], source: str
+) -> None:
+    url = "http://host:9092"
+    flag = ["--broker", url] if source == "flag" else []
+    env = {"STREAMAPP_BROKER": url} if source == "environment" else {}
+
+    result = runner.invoke(cli, [*command, *flag], env=env, prog_name="streamapp")
+
+    assert result.exit_code == 1
+    assert result.output.splitlines() == [
+        f"error: invalid settings (broker: {url!r} has the scheme http://, not Kafka's: give "
+        f"{BROKER_FORMS}); environment variables use the prefix STREAMAPP_"]
+
+
+def test_worker_max_batch_size_beyond_its_bound_is_one_line_with_the_bound_and_why(
+    runner: CliRunner,
+) -> None:
+    bound, why = UPPER_BOUNDS["max_batch_size"]
+
+    result = runner.invoke(cli, ["worker", "--max-batch-size", str(10**9)],
+                           prog_name="streamapp")
+
+    assert result.exit_code == 1
+    assert result.output.splitlines() == [
+        f"error: invalid settings (max_batch_size: must be at most {bound:,.0f}, not "
+        f"{10**9:,}: {why}); environment variables use the prefix STREAMAPP_"]
 
 
 @pytest.mark.parametrize("port", ["99999", "0", "-5"])

@@ -17,16 +17,22 @@ from streamapp.broker import EmbeddedBroker
 from streamapp.cli import cli
 from streamapp.codecs import encode_dead_letter
 from streamapp.dlq import (
+    NOT_KEPT,
+    RECORD_BATCH,
+    UNREADABLE_RETRY_RECORD,
     DeadLetterEntry,
     DeadLetterFilter,
     DeadLetterReader,
+    ReplayRecord,
     format_entries,
     read_dead_letters,
     replay_dead_letters,
+    replay_record,
 )
-from streamapp.exceptions import BrokerError
+from streamapp.exceptions import BrokerError, InvalidRequestError
 from streamapp.kafka import create_topics
 from streamapp.records import DeadLetter
+from streamapp.retry import RetryRecord
 from streamapp.settings import Settings, load_settings
 from streamapp.tail import display_width
 
@@ -59,6 +65,42 @@ def letter(
 
 def entry(n: int, **kwargs: object) -> DeadLetterEntry:
     return DeadLetterEntry(letter(n, **kwargs), partition=0, offset=n, timestamp_ms=0)  # type: ignore[arg-type]
+
+
+def retry_envelope(key: bytes | None, value: bytes, /, **changes: object) -> bytes:
+    """A retry record as a worker encodes it for the request ``key``/``value``, with ``changes``
+    to its JSON fields (what makes it one the worker refuses)."""
+    record = RetryRecord(
+        request_id="req-r", device_id="cam-1", model="digits", attempt=1, not_before=NOW,
+        errors=[], first_failed_ts=NOW,
+        source={"topic": "inference-request", "partition": 1, "offset": 7}, key=key, value=value,
+    )
+    body = json.loads(record.encode())
+    body.update(changes)
+    return json.dumps(body).encode()
+
+
+def retry_letter(envelope: bytes, retry_topic: str = "inference-retry") -> DeadLetter:
+    """The dead letter a worker writes for a retry-topic record it cannot use: reason
+    ``invalid_retry_record``, that record's own key (the request_id) and value, its position in
+    the retry topic, and the ids it could read."""
+    with pytest.raises(InvalidRequestError) as refused:
+        RetryRecord.decode(envelope)
+    assert refused.value.reason == "invalid_retry_record"
+    ids = refused.value.fields
+    return DeadLetter(
+        value=envelope,
+        key=b"req-r",
+        error={"reason": "invalid_retry_record", "type": "InvalidRequestError",
+               "message": str(refused.value), "stage": "decode"},
+        attempts=1,
+        first_failed_ts=NOW,
+        last_failed_ts=NOW,
+        source={"topic": retry_topic, "partition": 0, "offset": 3},
+        request_id=ids.get("request_id"),
+        device_id=ids.get("device_id"),
+        worker="host:1",
+    )
 
 
 # -- filters and formatting -----------------------------------------------------------------------
@@ -133,6 +175,68 @@ def test_to_dict_carries_the_original_bytes() -> None:
     assert base64.b64decode(body["key"]) == b"cam-1"
     assert body["error"]["reason"] == "bad_shape"
     assert body["dlq"] == {"partition": 0, "offset": 5, "timestamp_ms": 0}
+
+
+# -- what a replay sends ---------------------------------------------------------------------------
+
+ORIGINAL = b'{"request_id":"req-r","device_id":"cam-1","seq":4}'
+
+
+def test_replay_sends_a_request_letters_own_key_and_value() -> None:
+    normal = letter(1)
+
+    assert replay_record(normal) == ReplayRecord(normal.key, normal.value)
+
+
+@pytest.mark.parametrize("changes", [{"not_before": "soon"}, {"request_id": 123},
+                                     {"errors": "none"}], ids=str)
+def test_a_retry_record_letter_replays_the_request_the_record_carries(
+    changes: dict[str, object],
+) -> None:
+    held = retry_letter(retry_envelope(b"cam-1", ORIGINAL, **changes))
+
+    assert replay_record(held) == ReplayRecord(b"cam-1", ORIGINAL, recreated=True)
+
+
+@pytest.mark.parametrize(
+    "envelope",
+    [
+        b"\xff not json",
+        b"[1, 2]",
+        retry_envelope(b"cam-1", ORIGINAL, value="%% not base64"),
+        retry_envelope(b"cam-1", ORIGINAL, value=None),
+        retry_envelope(b"cam-1", b"", not_before="soon"),
+        retry_envelope(None, ORIGINAL, not_before="soon"),
+        retry_envelope(b"cam-2", ORIGINAL, not_before="soon"),  # key is not its device_id
+        retry_envelope(b"cam-1", ORIGINAL, device_id=7),
+    ],
+    ids=["not-json", "not-an-object", "value-not-base64", "no-value", "empty-value",
+         "null-key", "key-not-device", "device-not-text"],
+)
+def test_a_retry_record_letter_without_a_readable_request_is_not_replayed(
+    envelope: bytes,
+) -> None:
+    assert replay_record(retry_letter(envelope)) == UNREADABLE_RETRY_RECORD
+
+
+def test_a_letter_read_from_the_retry_topic_holds_a_retry_record_whatever_its_reason() -> None:
+    held = letter(1, "internal_error", value=retry_envelope(b"cam-1", ORIGINAL))
+    held.source = {"topic": "p.inference-retry", "partition": 0, "offset": 1}
+
+    assert replay_record(held, retry_topic="p.inference-retry") == ReplayRecord(
+        b"cam-1", ORIGINAL, recreated=True)
+    assert replay_record(held) == ReplayRecord(held.key, held.value)  # retry topic unknown
+
+
+def test_letters_without_their_value_or_of_a_record_batch_are_not_replayed() -> None:
+    cut, batch = letter(1, "unproducible_outcome"), letter(2, "undecodable_record_batch")
+    cut.extra = {"value_omitted": {"bytes": 9, "sha256": "0" * 64}}
+    batch.extra = {"record_batch": {"first_offset": 5, "last_offset": 8}}
+    kept_out = retry_letter(retry_envelope(b"cam-1", ORIGINAL, not_before="soon"))
+    kept_out.extra = {"value_omitted": {"bytes": 9, "sha256": "0" * 64}}
+
+    assert [replay_record(d) for d in (cut, batch, kept_out)] == [NOT_KEPT, RECORD_BATCH,
+                                                                  NOT_KEPT]
 
 
 # -- on the broker --------------------------------------------------------------------------------
@@ -341,6 +445,62 @@ async def test_cli_dry_run_counts_only_what_can_be_replayed(
     assert dry.exit_code == 0, dry.output
     assert "would replay 1 dead letters (reason=undecodable_record_batch)" in dry.stdout
     assert "1 matching cannot be replayed" in dry.stdout
+
+
+@pytest.mark.kafka
+async def test_replay_never_sends_a_retry_envelope_to_the_request_topic(
+    topics: Settings,
+) -> None:
+    normal = letter(1, "bad_shape", "cam-1")
+    readable = retry_letter(retry_envelope(b"cam-1", ORIGINAL, not_before="soon"),
+                            topics.retry_topic)
+    unreadable = retry_letter(retry_envelope(b"cam-1", ORIGINAL, value="%%"), topics.retry_topic)
+    await publish_letters(topics, [normal, readable, unreadable])
+
+    report = await replay_dead_letters(
+        topics.bootstrap_servers, topics.dlq_topic, topics.request_topic,
+        where=DeadLetterFilter(device="cam-1"), retry_topic=topics.retry_topic,
+    )
+
+    assert (report.matched, report.replayed, report.skipped, report.recreated) == (3, 2, 1, 1)
+    assert report.not_replayed == {UNREADABLE_RETRY_RECORD: 1}
+    republished = await read_all(topics.bootstrap_servers, topics.request_topic, expect=2)
+    assert sorted(republished) == sorted([(b"cam-1", ORIGINAL), (normal.key, normal.value)])
+
+
+@pytest.mark.kafka
+async def test_cli_replays_the_request_of_a_retry_record_and_counts_what_it_skips(
+    topics: Settings, runner: CliRunner
+) -> None:
+    normal = letter(1, "bad_shape", "cam-1")
+    readable = retry_letter(retry_envelope(b"cam-1", ORIGINAL, not_before="soon"),
+                            topics.retry_topic)
+    unreadable = retry_letter(b"\xff not json", topics.retry_topic)
+    await publish_letters(topics, [normal, readable, unreadable])
+
+    def replay(*args: str) -> str:
+        result = runner.invoke(cli, ["dlq", "replay", *_args(topics, *args)])
+        assert result.exit_code == 0, result.output
+        return str(result.stdout)
+
+    dry = await asyncio.to_thread(replay, "--reason", "invalid_retry_record", "--dry-run")
+    retried = await asyncio.to_thread(replay, "--reason", "invalid_retry_record")
+    plain = await asyncio.to_thread(replay, "--reason", "bad_shape")
+
+    skipped = ("; 1 matching cannot be replayed, they hold no request "
+               f"({UNREADABLE_RETRY_RECORD}: 1)")
+    recreated = " (1 of them re-created from the retry record that held the request)"
+    assert dry.splitlines() == [
+        f"dry run: would replay 1 dead letters (reason=invalid_retry_record) to "
+        f"{topics.request_topic}{recreated}; nothing published{skipped}"]
+    assert retried.splitlines() == [
+        f"replayed 1 dead letters (reason=invalid_retry_record) to {topics.request_topic}"
+        f"{recreated}{skipped}"]
+    assert plain.splitlines() == [
+        f"replayed 1 dead letters (reason=bad_shape) to {topics.request_topic}"]
+    # one device, one partition: the re-created request, then the plain one; no envelope
+    republished = await read_all(topics.bootstrap_servers, topics.request_topic, expect=2)
+    assert republished == [(b"cam-1", ORIGINAL), (normal.key, normal.value)]
 
 
 @pytest.mark.kafka

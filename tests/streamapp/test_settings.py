@@ -9,7 +9,13 @@ from typing import Any
 import pytest
 
 from streamapp.exceptions import ConfigError
-from streamapp.settings import load_settings
+from streamapp.settings import (
+    BROKER_FORMS,
+    TRANSACTION_TIMEOUT_MS,
+    UPPER_BOUNDS,
+    Settings,
+    load_settings,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -201,6 +207,128 @@ def test_single_broker_conversions(monkeypatch: pytest.MonkeyPatch) -> None:
 
     assert settings.bootstrap_servers == "localhost:19092"
     assert settings.faust_broker == "kafka://localhost:19092"
+
+
+@pytest.mark.parametrize(
+    "broker",
+    ["http://host:9092", "https://host:9092", "tcp://127.0.0.1:9092", "SASL_SSL://host:9093",
+     "kafka://k1:9092;http://k2:9092", "k1:9092,PLAINTEXT://k2:9092"],
+)
+@pytest.mark.parametrize("source", ["environment", "override"])
+def test_a_broker_scheme_that_is_not_kafkas_is_refused_naming_the_accepted_forms(
+    monkeypatch: pytest.MonkeyPatch, broker: str, source: str
+) -> None:
+    if source == "environment":
+        monkeypatch.setenv("STREAMAPP_BROKER", broker)
+
+    with pytest.raises(ConfigError) as info:
+        load_settings(**({"broker": broker} if source == "override" else {}))
+
+    message = str(info.value)
+    bad = next(p for p in broker.replace(",", ";").split(";") if not p.startswith("kafka://")
+               and "://" in p)
+    scheme = bad.split("://")[0]
+    assert message.count("\n") == 0
+    assert f"broker: {bad!r} has the scheme {scheme}://, not Kafka's: give {BROKER_FORMS}" \
+        in message
+    if scheme in ("SASL_SSL", "PLAINTEXT"):
+        assert f"STREAMAPP_SECURITY_PROTOCOL={scheme}" in message
+
+
+@pytest.mark.parametrize("broker", ["kafka:/host:9092", "kafka://http://host:9092", "h:9092/"])
+def test_a_malformed_broker_address_is_refused_naming_the_accepted_forms(broker: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings(broker=broker)
+
+    assert f"broker: {broker!r} is not host:port with a port of 1-65535: give {BROKER_FORMS}" \
+        in str(info.value)
+
+
+@pytest.mark.parametrize("broker", ["kafka://k1:9092", "k1:9092", "KAFKA://k1:9092",
+                                    "[::1]:9092"])
+def test_kafka_scheme_and_plain_host_port_are_accepted(broker: str) -> None:
+    settings = load_settings(broker=broker)
+
+    assert settings.bootstrap_servers == broker.split("://")[-1]
+    assert settings.faust_broker == f"kafka://{settings.bootstrap_servers}"
+
+
+def _valid_with(name: str, value: float) -> dict[str, Any]:
+    """``{name: value}`` plus what the cross-field checks need for it to be the only problem:
+    a request timeout above the session timeout and the fetch wait."""
+    return {name: value} if name == "request_timeout_s" else {
+        name: value, "request_timeout_s": UPPER_BOUNDS["request_timeout_s"][0]}
+
+
+@pytest.mark.parametrize("name", sorted(UPPER_BOUNDS))
+def test_each_upper_bound_is_accepted_and_one_above_it_refused_with_why(name: str) -> None:
+    bound, why = UPPER_BOUNDS[name]
+    integer = Settings.model_fields[name].annotation is int
+    above = int(bound) + 1 if integer else bound * 1.5
+
+    at_bound = load_settings(**_valid_with(name, int(bound) if integer else bound))
+    with pytest.raises(ConfigError) as info:
+        load_settings(**_valid_with(name, above))
+
+    assert getattr(at_bound, name) == bound
+    assert f"{name}: must be at most {bound:,.0f}, not {above:,.0f}: {why}" in str(info.value)
+    # what the setting's description (docs/settings.md, --help) says
+    assert f"At most {bound:,.0f}: {why}." in (Settings.model_fields[name].description or "")
+
+
+def test_a_huge_max_batch_size_from_the_environment_is_refused_with_the_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("STREAMAPP_MAX_BATCH_SIZE", str(10**9))
+
+    with pytest.raises(ConfigError) as info:
+        load_settings()
+
+    bound, why = UPPER_BOUNDS["max_batch_size"]
+    assert f"max_batch_size: must be at most {bound:,.0f}, not {10**9:,}: {why}" \
+        in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["max_batch_delay_ms", "commit_interval_ms", "max_clock_skew_s",
+                                  "failure_quarantine_s", "gpu_server_wait_s"])
+@pytest.mark.parametrize("value", ["inf", "nan"])
+def test_float_settings_are_finite(
+    monkeypatch: pytest.MonkeyPatch, name: str, value: str
+) -> None:
+    monkeypatch.setenv(f"STREAMAPP_{name.upper()}", value)
+
+    with pytest.raises(ConfigError) as info:
+        load_settings()
+
+    assert f"{name}:" in str(info.value)
+
+
+def test_a_fetch_wait_not_below_the_request_timeout_is_refused() -> None:
+    load_settings(fetch_max_wait_ms=29_999, request_timeout_s=30)
+    with pytest.raises(ConfigError) as info:
+        load_settings(fetch_max_wait_ms=30_000, request_timeout_s=30)
+
+    assert "fetch_max_wait_ms (30000.0) must be shorter than request_timeout_s (30.0 s)" \
+        in str(info.value)
+
+
+def test_exactly_once_commit_interval_is_at_most_half_the_transaction_timeout() -> None:
+    most = TRANSACTION_TIMEOUT_MS / 2
+    at_most = load_settings(processing_guarantee="exactly_once", commit_interval_ms=most)
+    with pytest.raises(ConfigError) as info:
+        load_settings(processing_guarantee="exactly_once", commit_interval_ms=most + 1)
+
+    assert at_most.commit_interval_ms == most
+    assert load_settings(commit_interval_ms=most + 1).commit_interval_ms == most + 1
+    assert f"commit_interval_ms ({most + 1}) must be at most {most:,.0f} with " \
+        "processing_guarantee=exactly_once" in str(info.value)
+
+
+def test_the_defaults_are_within_every_bound() -> None:
+    settings = Settings()
+
+    for name, (bound, _why) in UPPER_BOUNDS.items():
+        assert getattr(settings, name) <= bound, name
 
 
 def test_uvloop_asked_for_but_missing_is_one_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
