@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from types import ModuleType
 from typing import Literal
 from uuid import uuid4
 
@@ -116,6 +117,22 @@ def test_backends(isolated_registry: dict[str, registry.Backend]) -> dict[str, r
     (:func:`engines.testing.register`), as only tests may do."""
     testing.register()
     return isolated_registry
+
+
+@pytest.fixture
+def trt_standins() -> Iterator[ModuleType]:
+    """The in-repo TensorRT and CUDA stand-ins in place of the real ones (no real TensorRT is
+    installable here: tests that take this say nothing about it); yields ``engines.cuda``, and
+    fails the test if it left a CUDA object open."""
+    from engines import cuda
+    from engines.tensorrt._api import use_tensorrt
+    from engines.testing import fake_cuda, fake_trt
+
+    fake_cuda.reset()
+    with cuda.use_runtime(fake_cuda), use_tensorrt(fake_trt):
+        yield cuda
+    assert cuda.live_handles() == {}, "the test leaked CUDA objects"
+    fake_cuda.reset()
 
 
 @pytest.fixture

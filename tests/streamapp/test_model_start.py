@@ -228,21 +228,9 @@ def test_the_executor_server_does_not_fall_back(tmp_path: Path) -> None:
         load_local_models(_settings(root), fallback=False)
 
 
-@pytest.fixture
-def standins() -> Any:
-    from engines import cuda
-    from engines.tensorrt._api import use_tensorrt
-    from engines.testing import fake_cuda, fake_trt
-
-    fake_cuda.reset()
-    with cuda.use_runtime(fake_cuda), use_tensorrt(fake_trt):
-        yield cuda
-    assert cuda.live_handles() == {}, "the test leaked CUDA objects"
-    fake_cuda.reset()
-
 
 async def test_tensorrt_plans_are_checked_at_start_and_serve_on_the_workers_loop(
-    standins: Any, tmp_path: Path,
+    trt_standins: Any, tmp_path: Path,
 ) -> None:
     """The GPU executor path (in-repo TensorRT and CUDA stand-ins): the start checks run on a
     loop of their own, the version that passed then runs on the worker's; the refused version

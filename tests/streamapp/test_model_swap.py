@@ -268,21 +268,9 @@ async def test_commit_records_current_for_a_restart(repo: Path) -> None:
 # -- the TensorRT path, on the in-repo stand-ins (never met a real TensorRT) ----------------------
 
 
-@pytest.fixture
-def standins() -> Any:
-    from engines import cuda
-    from engines.tensorrt._api import use_tensorrt
-    from engines.testing import fake_cuda, fake_trt
-
-    fake_cuda.reset()
-    with cuda.use_runtime(fake_cuda), use_tensorrt(fake_trt):
-        yield cuda
-    assert cuda.live_handles() == {}, "the test leaked CUDA objects"
-    fake_cuda.reset()
-
 
 async def test_tensorrt_plans_swap_the_same_way(
-    standins: Any, tmp_path: Path, images: np.ndarray
+    trt_standins: Any, tmp_path: Path, images: np.ndarray
 ) -> None:
     from engines.tensorrt.builder import build_plan
 
