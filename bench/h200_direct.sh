@@ -14,6 +14,7 @@
 # tprofile: py-spy on a worker and the server, ResNet-50 tensors at N = 8 (sixth session);
 # paced:   one worker and the Faust yardstick at a paced 5,500/s, the worker under py-spy
 #          there, and ResNet-50 tensors at N = 16 (seventh session; ~7.5 min);
+# paced-short: the tensors and the paced run of `paced`, without py-spy (~6.5 min);
 # jpeg:    ResNet-50 on camera JPEGs (nvJPEG), N = 1, 8, 12, 16 workers of one group started
 #          by `streamapp worker --processes N --gpu-executor shared`, the engine alone and
 #          the aiokafka relay at the same N;
@@ -127,9 +128,16 @@ elif [ "$PART" = paced ]; then
     --logs "$W/paced-profile/logs"
   scaleout tensors 165 tensors "group.initial.rebalance.delay.ms=3000" \
     --only resnet50-tensor --ns 16 --ceilings aiokafka --budget-s 155
+elif [ "$PART" = paced-short ]; then
+  # Eighth session, with less than 10 device minutes left: `paced` without the py-spy step,
+  # the tensors first (their fix, 5ad5cea, was never re-measured); ~6.5 min.
+  scaleout tensors 165 tensors "group.initial.rebalance.delay.ms=3000" \
+    --only resnet50-tensor --ns 16 --ceilings aiokafka --budget-s 155
+  step paced 200 python3 -m bench hotpath --broker kafka --rate 5500 --requests 82500 \
+    --out "$W/paced" --logs "$W/paced/logs"
 else
   echo "unknown part $PART (hotpath, jpeg, groups, groups2, profile, jpeg2, jpeg3, tensors," \
-    "tprofile or paced)" >&2
+    "tprofile, paced or paced-short)" >&2
   exit 2
 fi
 tar czf "$OUT/$PART.tgz" -C "$W" . 2>/dev/null
