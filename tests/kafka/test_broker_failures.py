@@ -18,6 +18,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.errors import KafkaError
 
 from streamapp.client import (
     Outcomes,
@@ -36,6 +38,8 @@ pytestmark = [
 ]
 
 TOTAL, DEVICES = 8_000, 32
+#: Partitions of every topic (``_setup``).
+PARTITIONS = 4
 #: Finished records that wait for the next device state flush (``state_flush_max_records``).
 FLUSH_RECORDS = 64
 #: Records a worker can have read but not committed: batches in flight plus one being filled,
@@ -48,18 +52,40 @@ def _answered(outcomes: Outcomes) -> set[str | None]:
     return outcomes.result_ids() | outcomes.dead_letter_ids()
 
 
-async def _results(bootstrap: str, settings: Settings) -> int:
-    out = await collect_outcomes(
-        bootstrap, settings.result_topic, settings.dlq_topic, done=lambda o: False, timeout_s=0.5
-    )
-    return len(out.results) + len(out.dead_letters)
+async def _results(bootstrap: str, settings: Settings) -> int | None:
+    """Outcomes on the broker (duplicates included): the end offsets of the result and DLQ
+    topics (Apache Kafka's ListOffsets; no transactions here, so no markers), or None while the
+    broker does not answer. Reading the records back within a fixed 0.5 s instead undercounted
+    on a loaded machine: CI once waited 180 s for one more outcome than an earlier read had
+    counted."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False,
+                                request_timeout_ms=5_000)
+    try:
+        await consumer.start()
+        ends = await consumer.end_offsets([
+            TopicPartition(topic, p) for topic in (settings.result_topic, settings.dlq_topic)
+            for p in range(PARTITIONS)])
+    except KafkaError:
+        return None
+    finally:
+        await consumer.stop()
+    return sum(ends.values())
+
+
+async def _results_now(bootstrap: str, settings: Settings, timeout_s: float = 60) -> int:
+    """:func:`_results` once the broker answers."""
+    deadline = time.monotonic() + timeout_s
+    while (count := await _results(bootstrap, settings)) is None:
+        assert time.monotonic() < deadline, "the broker did not answer ListOffsets"
+        await asyncio.sleep(0.2)
+    return count
 
 
 async def _wait_results(bootstrap: str, settings: Settings, at_least: int, worker: WorkerProcess,
                         timeout_s: float = 180) -> float:
     """Wait until ``at_least`` outcomes are on the broker; returns when (monotonic)."""
     deadline = time.monotonic() + timeout_s
-    while await _results(bootstrap, settings) < at_least:
+    while (await _results(bootstrap, settings) or 0) < at_least:
         assert time.monotonic() < deadline, worker.log_tail()
         assert worker.process is not None and worker.process.poll() is None, worker.log_tail()
         await asyncio.sleep(0.2)
@@ -94,15 +120,15 @@ def kafka_env(monkeypatch: pytest.MonkeyPatch) -> None:
 def _setup(kafka: KafkaBroker, app_id: str, tmp_path: Path, replicas: int
            ) -> tuple[Settings, WorkerProcess]:
     settings = load_settings(
-        broker=kafka.url, app_id=app_id, topic_prefix=f"{app_id}.", topic_partitions=4,
+        broker=kafka.url, app_id=app_id, topic_prefix=f"{app_id}.", topic_partitions=PARTITIONS,
         topic_replication_factor=replicas, backend="onnxruntime",
     )
-    create_topics(kafka.bootstrap_servers, {t: 4 for t in settings.topics},
+    create_topics(kafka.bootstrap_servers, {t: PARTITIONS for t in settings.topics},
                   replication_factor=replicas)
     worker = WorkerProcess(
         {
             "broker": settings.broker, "app_id": app_id, "topic_prefix": settings.topic_prefix,
-            "topic_partitions": 4, "topic_replication_factor": replicas,
+            "topic_partitions": PARTITIONS, "topic_replication_factor": replicas,
             "backend": "onnxruntime", "data_dir": tmp_path / "data", "max_batch_size": 32,
             "commit_interval_ms": 20, "state_flush_max_records": FLUSH_RECORDS,
             "group_instance_id": "w",
@@ -151,7 +177,7 @@ async def test_single_broker_restart_worker_recovers_by_itself(
         checks = await _wait_ready_status(worker, 503)
         assert checks["broker_responsive"] is False
         await asyncio.to_thread(kafka.start_node, 0)
-        before = await _results(kafka.bootstrap_servers, settings)
+        before = await _results_now(kafka.bootstrap_servers, settings)
         resumed = await _wait_results(kafka.bootstrap_servers, settings, before + 1, worker)
         await _wait_ready_status(worker, 200, timeout_s=120)
         out = await collect_outcomes(
@@ -181,7 +207,7 @@ async def test_cluster_node_killed_and_restarted_loses_nothing(
         await _wait_results(kafka.bootstrap_servers, settings, TOTAL // 4, worker)
         kafka.kill_node(1)  # SIGKILL one of three: every partition keeps 2 in-sync replicas
         killed = time.monotonic()
-        before = await _results(kafka.bootstrap_servers, settings)
+        before = await _results_now(kafka.bootstrap_servers, settings)
         resumed = await _wait_results(kafka.bootstrap_servers, settings, before + 500, worker)
         await asyncio.to_thread(kafka.start_node, 1)
         out = await collect_outcomes(
