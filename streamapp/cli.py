@@ -831,41 +831,64 @@ WorkerUrl = Annotated[Optional[str], typer.Option(
     "http://127.0.0.1:<STREAMAPP_WEB_PORT>).")]
 
 
-def _worker_url(url: str | None) -> str:
-    if url:
-        return url
-    from streamapp.settings import load_settings
+def _web_token(settings: Any) -> str:
+    """The workers' web token (STREAMAPP_WEB_TOKEN or STREAMAPP_WEB_TOKEN_FILE; "" when none is
+    set) that every command calling a worker's web API sends; an unusable one is one line."""
+    from streamapp.settings import web_token
 
     try:
-        return f"http://127.0.0.1:{load_settings().web_port}"
+        return web_token(settings)
     except StreamAppError as exc:
         raise _fail(str(exc)) from None
 
 
-def _ask(url: str, method: str = "GET") -> tuple[int, Any]:
+def _worker(url: str | None) -> tuple[str, str]:
+    """The worker's web URL (``--url``, else this host's STREAMAPP_WEB_PORT) and the web token
+    to send it."""
+    from streamapp.settings import load_settings
+
+    try:
+        settings = load_settings()
+    except StreamAppError as exc:
+        raise _fail(str(exc)) from None
+    return url or f"http://127.0.0.1:{settings.web_port}", _web_token(settings)
+
+
+def _ask(base: str, url: str, token: str, method: str = "GET") -> tuple[int, Any]:
+    """A call to the worker at ``base`` with the web token; a worker that does not answer or
+    refuses the token (401) is one error line."""
     from streamapp.models.commands import request_json
 
     try:
-        return request_json(url, method)
+        status, body = request_json(url, method, token=token)
     except (OSError, ValueError) as exc:
-        raise _fail(f"the worker at {url} did not answer ({exc}); is it running? give its web "
+        raise _fail(f"the worker at {base} did not answer ({exc}); is it running? give its web "
                     "URL with --url") from None
+    if status == 401:
+        message = body.get("message") if isinstance(body, dict) else None
+        sent = ("the STREAMAPP_WEB_TOKEN (or STREAMAPP_WEB_TOKEN_FILE) set here is not the "
+                "worker's" if token else "set STREAMAPP_WEB_TOKEN (or STREAMAPP_WEB_TOKEN_FILE) "
+                "to the worker's web token")
+        raise _fail(f"{base} answered 401 (unauthorized): {message or 'no web token'}; {sent}")
+    return status, body
 
 
 @models_cli.callback()
 def models_list(ctx: typer.Context, url: WorkerUrl = None) -> None:
     """Every worker's versions of each model: the current one (*), loaded, on disk.
 
+    Sends the web token (STREAMAPP_WEB_TOKEN or STREAMAPP_WEB_TOKEN_FILE) when one is set.
     Exits 1 when a worker does not answer.
     """
     if ctx.invoked_subcommand is not None:
         return
     from streamapp.models.commands import format_listing
 
-    base = _worker_url(url)
-    status, body = _ask(base.rstrip("/") + "/models")
+    base, token = _worker(url)
+    status, body = _ask(base, base.rstrip("/") + "/models", token)
     if status != 200 or not isinstance(body, dict):
-        raise _fail(f"{base} answered {status}: {body}")
+        message = body.get("message") if isinstance(body, dict) else None
+        raise _fail(f"{base} answered {status}: {message or body}")
     for line in format_listing(body):
         typer.echo(line)
     if any(w.get("status") == "unreachable" for w in body.get("workers", [])):
@@ -884,11 +907,12 @@ def models_load(
 ) -> None:
     """Load a version on every worker of the group, warm it up, check it against its declared
     samples, then switch between two batches. Exits 1 when it is refused (the old version
-    keeps serving) and prints each worker's reason."""
+    keeps serving) and prints each worker's reason. Sends the web token (STREAMAPP_WEB_TOKEN or
+    STREAMAPP_WEB_TOKEN_FILE) when one is set."""
     from streamapp.models.commands import format_load, load_url
 
-    base = _worker_url(url)
-    status, body = _ask(load_url(base, name, version, keep), "POST")
+    base, token = _worker(url)
+    status, body = _ask(base, load_url(base, name, version, keep), token, "POST")
     for line in format_load(status, body if isinstance(body, dict) else {}):
         typer.echo(line, err=status != 200)
     if status != 200:
@@ -1000,15 +1024,15 @@ def status(
     Sends the web token (STREAMAPP_WEB_TOKEN or STREAMAPP_WEB_TOKEN_FILE) when one is set.
     Exits 1 when a worker is unreachable or not ready (without --watch).
     """
-    from streamapp.settings import load_settings, web_token
+    from streamapp.settings import load_settings
     from streamapp.status import run_status, supervised_urls
 
     restarts = supervisor_dir = None
     try:
         current = load_settings(data_dir=data_dir)
-        token = web_token(current)
     except StreamAppError as exc:
         raise _fail(str(exc)) from None
+    token = _web_token(current)
     if not urls:
         restarts = supervised_urls(current.data_dir)
         supervisor_dir = current.data_dir if restarts else None

@@ -45,7 +45,7 @@ from streamapp.kafka import (
     with_admin,
 )
 from streamapp.partitions import TABLE_NAMES, TablePartitionsError, changelog_topic
-from streamapp.settings import Settings
+from streamapp.settings import MAX_TOPIC_PARTITIONS, Settings
 from streamapp.tables.base import split_bucket_key
 from streamapp.tables.faust_tables import SEAL_KEY, WINDOWS_TABLE
 
@@ -104,10 +104,19 @@ def rebuild_tables(
 
     Raises:
         TablePartitionsError: The request topic or every changelog of the app does not exist,
-            a topic has more partitions than asked for, or workers of the group are still
-            running.
+            a topic has more partitions than asked for, ``partitions`` is above
+            :data:`~streamapp.settings.MAX_TOPIC_PARTITIONS` (checked before the broker is
+            asked anything), or workers of the group are still running.
         BrokerError: The broker refused to grow a topic or could not be reached.
     """
+    if partitions is not None and partitions > MAX_TOPIC_PARTITIONS:
+        # Kafka cannot remove partitions again, and the workers could not be started with
+        # STREAMAPP_TOPIC_PARTITIONS set to this count (settings refuse it).
+        raise TablePartitionsError(
+            f"--partitions {partitions:,} is above {MAX_TOPIC_PARTITIONS:,}, the most "
+            "STREAMAPP_TOPIC_PARTITIONS allows (the workers could not start with it, and Kafka "
+            f"cannot remove partitions again); give at most {MAX_TOPIC_PARTITIONS:,}"
+        )
     facts = cluster_facts(settings)
     have = facts.partitions
     request = have.get(settings.request_topic)

@@ -31,6 +31,7 @@ __all__ = [
     "BROKER_FORMS",
     "DEFAULT_TOPIC_PARTITIONS",
     "MAX_BATCH_SIZE",
+    "MAX_TOPIC_PARTITIONS",
     "TRANSACTION_TIMEOUT_MS",
     "UPPER_BOUNDS",
     "WEB_OPEN_PATHS",
@@ -84,17 +85,23 @@ TRANSACTION_TIMEOUT_MS = 20_000
 
 #: Most requests in one batch: see ``UPPER_BOUNDS["max_batch_size"]``.
 MAX_BATCH_SIZE = 4096
+#: Most partitions of the worker's topics (``topic_partitions``; ``tables rebuild --partitions``).
+MAX_TOPIC_PARTITIONS = 1024
 
 _MINUTE_MS = 60_000.0
 _HOUR_MS = 3_600_000.0
+_HOUR_S = 3600.0
+_DAY_S = 86_400.0
+_MIB = 1024 * 1024
 
 #: Upper bounds of numeric settings, and why each is there: a larger value would make a worker
 #: fail or look hung (often a value in the wrong unit). Settings validation refuses one with
 #: this reason; each setting's description (docs/settings.md) states its bound.
 UPPER_BOUNDS: dict[str, tuple[float, str]] = {
     "topic_partitions": (
-        1024, "the worker creates seven topics of this many partitions (request, result, DLQ, "
-        "retry and the three table changelogs) and opens a table store per partition it owns",
+        MAX_TOPIC_PARTITIONS, "the worker creates seven topics of this many partitions "
+        "(request, result, DLQ, retry and the three table changelogs) and opens a table store "
+        "per partition it owns",
     ),
     "max_batch_size": (
         MAX_BATCH_SIZE, "engines size their buffers for this many rows (the GPU executor "
@@ -152,6 +159,87 @@ UPPER_BOUNDS: dict[str, tuple[float, str]] = {
     ),
     "request_timeout_s": (
         3600.0, "a broker that does not answer would stall the worker this long",
+    ),
+    "topic_replication_factor": (
+        16, "each replica is a full copy of every topic on another broker, and Kafka refuses a "
+        "factor above the cluster's broker count (3 is the production norm)",
+    ),
+    "changelog_segment_ms": (
+        7 * 24 * _HOUR_MS, "Kafka compacts only closed segments, so a worker that restores a "
+        "table would read every update of that long (Kafka's own default is 7 days)",
+    ),
+    "metadata_refresh_interval_s": (
+        _HOUR_S, "partitions added to the request or retry topic would go unread, and a "
+        "partition count that no longer matches the tables' unreported, this long",
+    ),
+    "max_poll_records": (
+        100_000, "one fetch's records are held in memory and handed to the agents at once",
+    ),
+    "max_fetch_bytes": (
+        64 * _MIB, "the consumer may hold this much per partition it reads (1 GiB for 16 "
+        "partitions at the bound)",
+    ),
+    "stream_buffer_maxsize": (
+        100_000, "Faust holds this many events in memory per partition before it pauses "
+        "fetches, so backpressure would come only after that many",
+    ),
+    "cuda_inline_pack_kib": (
+        65_536, "the event loop's thread copies a batch this large itself and answers nothing "
+        "else meanwhile",
+    ),
+    "gpu_server_wait_s": (
+        _HOUR_S, "reading pauses while a batch waits, so the worker would look hung this long",
+    ),
+    "image_decode_threads": (
+        256, "each thread holds decoded images in memory, and threads beyond the CPU cores "
+        "add memory, not speed",
+    ),
+    "max_image_pixels": (
+        16384 * 16384, "a decoded RGB image of that many pixels takes 768 MiB",
+    ),
+    "max_request_bytes": (
+        64 * _MIB, "every request waiting for a batch is held in memory (Kafka's default record "
+        "limit is 1 MB)",
+    ),
+    "max_dead_letter_value_bytes": (
+        64 * _MIB, "a dead letter carries the value base64-encoded, 4/3 as big, in one record",
+    ),
+    "max_clock_skew_s": (
+        _DAY_S, "a larger tolerance would take device clocks off by days as right and measure "
+        "their requests' e2e latency from them",
+    ),
+    "max_produce_bytes": (
+        64 * _MIB, "every result, retry and dead letter up to this size is held in the "
+        "producer's memory, and Kafka brokers refuse records above message.max.bytes (1 MB by "
+        "default)",
+    ),
+    "top_k": (1000, "each classification result carries this many labels"),
+    "state_flush_max_records": (
+        100_000, "a crash re-delivers up to this many finished records",
+    ),
+    "max_retries": (
+        100, "a failing request goes through the retry topic this many times, each after a "
+        "backoff of up to retry_backoff_max_ms, before it reaches the DLQ",
+    ),
+    "failure_quarantine_s": (
+        _DAY_S, "the device's requests would run alone, one batch each, this long",
+    ),
+    "retry_backoff_base_ms": (
+        _HOUR_MS, "the backoff is capped at retry_backoff_max_ms (at most an hour) anyway",
+    ),
+    "ready_stall_s": (
+        _HOUR_S, "/ready would report a worker that makes no progress only after this long",
+    ),
+    "web_max_concurrent_requests": (
+        1024, "web requests are answered on the event loop that runs inference",
+    ),
+    "web_max_requests_per_s": (
+        100_000, "0 is the setting for no rate bound; a web request shares the event loop with "
+        "inference",
+    ),
+    "window_expires_s": (
+        _DAY_S, "every device keeps a bucket per tumbling window and hopping step within it, in "
+        "memory and in the table changelog (8,640 a series at the 10 s defaults)",
     ),
 }
 
@@ -213,14 +301,16 @@ class Settings(BaseSettings):
     topic_replication_factor: int = Field(
         1, ge=1,
         description="Replicas of the topics and changelogs the worker creates; use 3 on a "
-        "production Kafka cluster (the embedded broker has one node).",
+        "production Kafka cluster (the embedded broker has one node)."
+        + _bound("topic_replication_factor"),
     )
     changelog_segment_ms: int = Field(
         600_000, ge=1000,
         description="segment.ms (milliseconds) of the tables' changelog topics when the worker "
         "creates them. Kafka compacts only closed segments, so a changelog keeps every update "
         "until its segment rolls (Kafka's default: 7 days), and a worker that restores a table "
-        "reads all of them; a short segment bounds that history. Existing topics keep theirs.",
+        "reads all of them; a short segment bounds that history. Existing topics keep theirs."
+        + _bound("changelog_segment_ms"),
     )
     result_codec: Codec = Field("json", description="Encoding of result records.")
     session_timeout_s: float = Field(
@@ -251,7 +341,8 @@ class Settings(BaseSettings):
         description="How often the worker's consumer and producer refresh the topics' metadata "
         "(s; Faust's default: 5 min). Partitions added to the request or retry topic are read, "
         "and a partition count that no longer matches the tables' is reported (/ready 503, "
-        "streamapp_state_degraded), within this long (docs/tables.md).",
+        "streamapp_state_degraded), within this long (docs/tables.md)."
+        + _bound("metadata_refresh_interval_s"),
     )
     group_instance_id: str = Field(
         "",
@@ -280,15 +371,18 @@ class Settings(BaseSettings):
     max_poll_records: int = Field(
         5000, ge=1,
         description="Most records one fetch hands the worker (Faust's broker_max_poll_records; "
-        "Faust's default of 1,000 halved a batched agent's rate in issue 17's measurements).",
+        "Faust's default of 1,000 halved a batched agent's rate in issue 17's measurements)."
+        + _bound("max_poll_records"),
     )
     max_fetch_bytes: int = Field(
         4 * 1024 * 1024, ge=65536,
         description="Most bytes one fetch returns per partition (Faust's "
-        "consumer_max_fetch_size; 4 MiB).",
+        "consumer_max_fetch_size; 4 MiB)."
+        + _bound("max_fetch_bytes"),
     )
     stream_buffer_maxsize: int = Field(
         4096, ge=1, description="Messages Faust buffers per partition before pausing fetches."
+        + _bound("stream_buffer_maxsize")
     )
 
     # -- Batching and engines --------------------------------------------------------------------
@@ -323,7 +417,8 @@ class Settings(BaseSettings):
         description="A batch whose inputs take at most this many KiB is packed into pinned "
         "memory and enqueued on the event loop's thread, not handed to a pack thread: the "
         "copy costs microseconds, the thread crossing up to a GIL switch interval (GPU "
-        "backends only; images the engine decodes always go to a pack thread). 0: never.",
+        "backends only; images the engine decodes always go to a pack thread). 0: never."
+        + _bound("cuda_inline_pack_kib"),
     )
     cuda_poll_ms: float = Field(
         5.0, ge=0, le=1000,
@@ -374,7 +469,8 @@ class Settings(BaseSettings):
         "(restarted by `worker --processes N`) before it fails retriably through the retry "
         "topic (s); the batches it held are sent again (at-least-once), and waiting does not "
         "use up the requests' max_retries. Reading pauses meanwhile (backpressure). 0: fail "
-        "at once. Only with gpu_executor=shared.",
+        "at once. Only with gpu_executor=shared."
+        + _bound("gpu_server_wait_s"),
     )
     models_dir: Path | None = Field(
         None, description="Model repository; default: the models bundled with streamapp."
@@ -384,7 +480,8 @@ class Settings(BaseSettings):
     image_decode_threads: int = Field(
         0, ge=0,
         description="Threads that decode and pre-process image requests off the event loop "
-        "(Pillow releases the GIL while it decodes and resizes). 0: one per CPU core, at most 8.",
+        "(Pillow releases the GIL while it decodes and resizes). 0: one per CPU core, at most 8."
+        + _bound("image_decode_threads"),
     )
     image_decode: ImageDecode = Field(
         "auto",
@@ -396,33 +493,41 @@ class Settings(BaseSettings):
         16_777_216, ge=1,
         description="Largest image accepted (width x height from its header, checked before "
         "decoding; larger ones go to the DLQ as image_too_large). A model's metadata "
-        "image.max_pixels may lower it. Default 4096 x 4096.",
+        "image.max_pixels may lower it. Default 4096 x 4096."
+        + _bound("max_image_pixels"),
     )
     models: Annotated[tuple[str, ...], NoDecode] = Field(
         ("digits",), description="Models to load (comma-separated in the environment)."
     )
     max_request_bytes: int = Field(
         1_048_576, ge=64, description="Largest request value accepted (bytes)."
+        + _bound("max_request_bytes")
     )
     max_dead_letter_value_bytes: int = Field(
         524_288, ge=0,
         description="Larger original values are left out of dead letters (their size and sha256 "
-        "are kept): base64 makes them 4/3 as big and a Kafka record is limited (1 MB default).",
+        "are kept): base64 makes them 4/3 as big and a Kafka record is limited (1 MB default)."
+        + _bound("max_dead_letter_value_bytes"),
     )
     max_clock_skew_s: float = Field(
         300.0, gt=0,
         description="A request's ts further than this from when it reached Kafka (its record "
         "timestamp) is a wrong device clock: e2e latency is then measured from the record "
-        "timestamp and the result carries clock_skew_ms (seconds; docs/faults.md).",
+        "timestamp and the result carries clock_skew_ms (seconds; docs/faults.md)."
+        + _bound("max_clock_skew_s"),
     )
     max_produce_bytes: int = Field(
         1_000_000, ge=4096,
         description="Largest record the worker produces (bytes, key + value + record overhead; "
         "the producer's max_request_size). Keep it at or below the topics' max.message.bytes. "
         "A result, retry record or dead letter that would be larger becomes a small "
-        "unproducible_outcome dead letter.",
+        "unproducible_outcome dead letter."
+        + _bound("max_produce_bytes"),
     )
-    top_k: int = Field(3, ge=1, description="Labels with scores in each classification result.")
+    top_k: int = Field(
+        3, ge=1,
+        description="Labels with scores in each classification result." + _bound("top_k"),
+    )
 
     # -- Delivery: commits, retries ----------------------------------------------------------------
     commit_interval_ms: float = Field(
@@ -466,20 +571,24 @@ class Settings(BaseSettings):
         description="Flush device state sooner, as soon as this many finished records wait "
         "for it (records whose outcome the broker has, not yet committed): bounds what a "
         "crash re-delivers at high rates (this many plus what was in flight), at the cost of "
-        "more changelog records (one per device touched per flush).",
+        "more changelog records (one per device touched per flush)."
+        + _bound("state_flush_max_records"),
     )
     max_retries: int = Field(
         3, ge=0, description="Retries of a transient failure before the request goes to the DLQ."
+        + _bound("max_retries")
     )
     failure_quarantine_s: float = Field(
         30.0, ge=0,
         description="After a request failed alone while the other requests of its batch passed, "
         "its device's requests run alone, never in a batch with other devices' requests, until "
         "this long after its last failure (s); retries always run alone. Keeps a failing device "
-        "from failing its neighbours' batches. 0: only retries run alone.",
+        "from failing its neighbours' batches. 0: only retries run alone."
+        + _bound("failure_quarantine_s"),
     )
     retry_backoff_base_ms: float = Field(
         200.0, ge=0, description="Backoff before retry n is base * 2**(n-1) (ms), capped."
+        + _bound("retry_backoff_base_ms")
     )
     retry_backoff_max_ms: float = Field(
         10_000.0, ge=0, description="Backoff cap (ms)." + _bound("retry_backoff_max_ms")
@@ -505,7 +614,8 @@ class Settings(BaseSettings):
         15.0, ge=0,
         description="/ready answers 503 (making_progress) when records wait in the worker's "
         "source partitions and for this long (seconds) no record was read, no offset "
-        "committed and no fetch moved a position or high watermark. 0: never.",
+        "committed and no fetch moved a position or high watermark. 0: never."
+        + _bound("ready_stall_s"),
     )
     event_loop: Literal["asyncio", "uvloop"] = Field(
         "asyncio",
@@ -527,13 +637,15 @@ class Settings(BaseSettings):
     web_max_concurrent_requests: int = Field(
         8, ge=1,
         description="Web requests answered at once; one more gets 503 busy with Retry-After "
-        "(/health and /ready are never refused). Queries share the event loop with inference.",
+        "(/health and /ready are never refused). Queries share the event loop with inference."
+        + _bound("web_max_concurrent_requests"),
     )
     web_max_requests_per_s: float = Field(
         100.0, ge=0,
         description="Web requests admitted per second (a token bucket: bursts up to one "
         "second's worth; /health and /ready not counted); beyond it 429 rate_limited with "
-        "Retry-After. Forwarded device queries count on both workers. 0: no rate bound.",
+        "Retry-After. Forwarded device queries count on both workers. 0: no rate bound."
+        + _bound("web_max_requests_per_s"),
     )
     web_cache_ms: float = Field(
         250.0, ge=0,
@@ -578,7 +690,8 @@ class Settings(BaseSettings):
     )
     window_expires_s: float = Field(
         3600.0, gt=0,
-        description="Windows older than this (s) are deleted from the tables and no longer served.",
+        description="Windows older than this (s) are deleted from the tables and no longer served."
+        + _bound("window_expires_s"),
     )
     accept_window_change: bool = Field(
         False,
@@ -735,9 +848,23 @@ class Settings(BaseSettings):
         # Each server as [kafka://]host:port with a TCP port: a port past 65535 reached the
         # socket layer as a traceback (OverflowError) in every command, and any other scheme
         # (http://, tcp://, SASL_SSL://) was dropped silently by bootstrap_servers.
-        for part in (p.strip() for p in value.replace(",", ";").split(";")):
-            if not part:
-                continue
+        parts = [p.strip() for p in value.replace(",", ";").split(";") if p.strip()]
+        if not parts:
+            raise PydanticCustomError(
+                "broker_empty", "names no bootstrap server: give {forms}, e.g. "
+                "kafka://127.0.0.1:9092", {"forms": BROKER_FORMS},
+            )
+        if "@" in value:
+            # kafka://user:password@host:port: checked first, and the value never echoed (it
+            # would show the password in this error and in every later one).
+            raise PydanticCustomError(
+                "broker_userinfo",
+                "holds user info (user:password@ before a host): a bootstrap server is "
+                "{forms}; give credentials as STREAMAPP_SASL_USERNAME and "
+                "STREAMAPP_SASL_PASSWORD with STREAMAPP_SECURITY_PROTOCOL=SASL_SSL",
+                {"forms": BROKER_FORMS},
+            )
+        for part in parts:
             scheme, sep, address = part.partition("://")
             if not sep:
                 address = part
@@ -754,7 +881,8 @@ class Settings(BaseSettings):
                     {"part": repr(part), "scheme": scheme, "forms": BROKER_FORMS, "hint": hint},
                 )
             host, sep, port = address.rpartition(":")
-            if (not sep or not host or "/" in host or not port.isdigit()
+            # isascii: str.isdigit() and int() also take other scripts' digits ('٥٩٧٧٣')
+            if (not sep or not host or "/" in host or not port.isascii() or not port.isdigit()
                     or not 1 <= int(port) <= 65535):
                 raise PydanticCustomError(
                     "broker_address",

@@ -15,15 +15,21 @@ __all__ = ["format_listing", "format_load", "request_json"]
 COMMAND_TIMEOUT_S = 330.0
 
 
-def request_json(url: str, method: str = "GET", timeout_s: float = COMMAND_TIMEOUT_S
-                 ) -> tuple[int, Any]:
+def request_json(url: str, method: str = "GET", timeout_s: float = COMMAND_TIMEOUT_S,
+                 token: str = "") -> tuple[int, Any]:
     """``(HTTP status, decoded JSON body)`` of a call to a worker.
+
+    Args:
+        token: The workers' web token (``web_token``), sent as ``Authorization: Bearer``
+            when not empty (as ``streamapp status`` sends it).
 
     Raises:
         OSError: The worker did not answer (``urllib.error.URLError`` is one).
         ValueError: It answered, but not with JSON.
     """
-    request = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None)
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    request = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None,
+                                     headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             return response.status, json.loads(response.read() or b"null")

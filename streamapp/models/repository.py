@@ -605,8 +605,9 @@ class ModelRepository:
         if chosen in versions:
             return chosen
         if chosen:
-            log.warning("%s names version %r, which is not in the repository; serving the "
-                        "highest version %s", marker, chosen, list(versions)[-1])
+            log.warning("model %s: %s names version %r, which does not exist (versions: %s); "
+                        "trying the highest version, %s, instead", name, marker, chosen,
+                        ", ".join(versions), list(versions)[-1])
         return list(versions)[-1]
 
     def get(self, name: str, version: str | None = None) -> ModelConfig:

@@ -295,9 +295,11 @@ async def start_version(
                           name, version, exc.reason, exc)
             continue
         if refused:
-            log.warning("model %s: serving version %s; %s failed the checks of `streamapp "
-                        "models load` (above; `streamapp models check` lists them)", name,
-                        version, ", ".join(v for v, _ in refused))
+            failed = [v for v, _ in refused]
+            which = (f"version {failed[0]} failed its checks" if len(failed) == 1 else
+                     f"versions {', '.join(failed[:-1])} and {failed[-1]} failed their checks")
+            log.warning("model %s: serving version %s (%s, above; `streamapp models check` "
+                        "lists every problem)", name, version, which)
         log.info("model %s v%s: %d sample(s) answered as declared", name, version, checked)
         return model
     hint = (f" (streamapp models check {repository.root / name} lists every problem; "

@@ -90,7 +90,7 @@ ENDPOINTS: tuple[tuple[str, str, str, str], ...] = (
      "`source`) when its stored row could not be read and its counts started afresh at `at` "
      "(docs/tables.md). 404 when unknown."),
     ("GET", "/devices/{device_id}/windows", "`kind` (`tumbling`, `hopping`), "
-     "`last` (1–what expiry keeps, 6)",
+     "`last` (1–what expiry keeps, at most 1000; 6)",
      "The device's `last` windows, oldest first, empty ones included: `start`, `end`, "
      "`count`, `results`, `dead_letters`, `retries`, `skipped` (expired or superseded by a "
      "queue policy), `e2e_mean_ms`, `e2e_max_ms`, `labels` "

@@ -18,6 +18,8 @@ from collections.abc import Awaitable, Callable, Collection
 
 from aiohttp import web
 
+from streamapp.views.errors import shown_path
+
 __all__ = ["WEB_AUTH_KEY", "WebAuth"]
 
 _SCHEME = "bearer"
@@ -64,7 +66,7 @@ class WebAuth:
         self.refused += 1
         return web.json_response(
             {"error": "unauthorized", "status": 401,
-             "message": f"{path[:200]} needs the worker's web token: send the header "
+             "message": f"{shown_path(path)} needs the worker's web token: send the header "
              "'Authorization: Bearer <token>' with the value of STREAMAPP_WEB_TOKEN (or of "
              "the file STREAMAPP_WEB_TOKEN_FILE names)"},
             status=401, headers={"WWW-Authenticate": 'Bearer realm="streamapp"'},

@@ -28,8 +28,10 @@ __all__ = ["add_device_views"]
 
 #: ``/devices`` page size: default and maximum.
 PAGE_DEFAULT, PAGE_MAX = 100, 1000
-#: ``/devices/{id}/windows``: windows returned by default.
-LAST_DEFAULT = 6
+#: ``/devices/{id}/windows``: windows returned by default, and the most a query may ask for
+#: whatever the settings (at most what expiry keeps: 360 tumbling windows by default): each
+#: window is rendered, empty or not, so ``last`` bounds the work and size of one answer.
+LAST_DEFAULT, LAST_MAX = 6, 1000
 
 
 def _unknown(device_id: str) -> ApiError:
@@ -102,7 +104,7 @@ def add_device_views(app: faust.App, state: WorkerState, cache_s: float = 0.0) -
             kind = choice(query, "kind", WINDOW_KINDS, default="tumbling")
             plan = state.plan
             last = int_param(query, "last", default=LAST_DEFAULT, low=1,
-                             high=plan.max_last(kind))
+                             high=min(plan.max_last(kind), LAST_MAX))
             forwarded = await forward_to_owner(self, request, state.tables, key)
             if forwarded is not None:
                 return forwarded

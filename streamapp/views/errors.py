@@ -51,7 +51,17 @@ class ApiError(Exception):
 
 class ApiView(View):
     """A Faust view whose handlers may raise :class:`ApiError`; anything else unexpected is
-    logged and answered as a 500 JSON error instead of aiohttp's plain-text page."""
+    logged and answered as a 500 JSON error instead of aiohttp's plain-text page.
+
+    It is routed for the methods it answers: HEAD only beside GET (Faust routes HEAD for every
+    view, and a view without GET refuses it), so a method it does not answer, HEAD included,
+    is aiohttp's 405 whose ``Allow`` names exactly those (:func:`json_http_errors`)."""
+
+    def get_methods(self) -> set[str]:
+        methods = set(super().get_methods())
+        if "GET" not in methods and self.methods["head"].__code__ is View.head.__code__:
+            methods.discard("HEAD")
+        return methods
 
     async def dispatch(self, request: Any) -> Any:
         try:
@@ -67,14 +77,27 @@ class ApiView(View):
             )
 
 
-def _endpoints(request: web.Request) -> str:
-    """Every route of the web app, as ``GET /health, ... and POST /models/{name}/load``."""
-    endpoints = [f"{method} {resource.canonical}"
-                 for resource in request.app.router.resources()
-                 for method in _methods({route.method for route in resource})]
+def _endpoints() -> str:
+    """streamapp's endpoints (:data:`streamapp.views.ENDPOINTS`, what docs/api.md documents and
+    a test keeps equal to the routes streamapp registers), as ``GET /health, ... and POST
+    /models/{name}/load``: not the routes Faust adds to a running worker's table itself
+    (``/router/``, ``/table/``, ``GET /``, ...), which the API does not document."""
+    from streamapp.views import ENDPOINTS  # this module is imported by streamapp.views
+
+    endpoints = [f"{method} {path}" for method, path, *_ in ENDPOINTS]
     if len(endpoints) < 2:
         return "".join(endpoints)
     return ", ".join(endpoints[:-1]) + " and " + endpoints[-1]
+
+
+#: The most characters of a request's path an error message repeats.
+MAX_PATH_SHOWN = 200
+
+
+def shown_path(path: str) -> str:
+    """``path`` as an error message repeats it: at most :data:`MAX_PATH_SHOWN` characters, an
+    ellipsis marking a cut."""
+    return path if len(path) <= MAX_PATH_SHOWN else path[:MAX_PATH_SHOWN] + "…"
 
 
 def _methods(methods: set[str]) -> list[str]:
@@ -88,17 +111,17 @@ async def json_http_errors(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
     """aiohttp's own errors as JSON like every other answer: 404 ``not_found`` for a path no
-    endpoint serves, 405 ``method_not_allowed`` (aiohttp answers them in plain text). Both
-    messages name what the routes table holds, so they follow the routes."""
+    endpoint serves, 405 ``method_not_allowed`` (aiohttp answers them in plain text). The 404
+    lists streamapp's endpoints, the 405 the methods the routes table holds for the path."""
     try:
         return await handler(request)
     except web.HTTPException as exc:
         if exc.status < 400 or exc.content_type == "application/json":
             raise
-        path = request.path[:200]
+        path = shown_path(request.path)
         if exc.status == 404:
             code, message = "not_found", (
-                f"no endpoint serves {path}; the endpoints are {_endpoints(request)} "
+                f"no endpoint serves {path}; the endpoints are {_endpoints()} "
                 "(docs/api.md)")
         elif isinstance(exc, web.HTTPMethodNotAllowed):
             code, message = "method_not_allowed", (
@@ -113,7 +136,8 @@ async def json_http_errors(
 
 #: The longest URL (path and query, bytes) the web server reads: longer is 414 ``uri_too_long``.
 MAX_URL_BYTES = 8192
-#: The longest request header name or value (bytes) it reads: longer is 431
+#: The longest request header name, and the longest header value (bytes), it reads: longer
+#: is 431
 #: ``header_too_long``. aiohttp's default, named here because the two limits must differ:
 #: aiohttp raises the same error (:class:`~aiohttp.http_exceptions.LineTooLong`) for both, and
 #: the limit it carries is what tells them apart.
@@ -131,17 +155,28 @@ def unreadable_request(status: int, exc: BaseException | None,
                 f"the URL (path and query) is longer than {MAX_URL_BYTES:,} bytes, the most "
                 "the web API reads; a device id is at most 256 characters (docs/api.md)"))
         return ApiError(431, "header_too_long", (
-            f"a request header is longer than {MAX_HEADER_BYTES:,} bytes, the most the web "
-            "API reads"))
+            f"a request header name or value is longer than {MAX_HEADER_BYTES:,} bytes, the "
+            "most the web API reads of each"))
     if status >= 500:
         return ApiError(500, "internal_error",
                         "the worker failed to answer; its log has the traceback")
-    reason = message or (exc.message if isinstance(exc, HttpProcessingError) else "") or str(exc)
+    reason = _one_line(message or (exc.message if isinstance(exc, HttpProcessingError) else "")
+                       or str(exc))
     try:
         code = HTTPStatus(status).phrase.lower().replace(" ", "_")
     except ValueError:  # not a status http knows
         code = "bad_request"
     return ApiError(status, code, f"the request is not valid HTTP/1.1: {reason}")
+
+
+def _one_line(reason: str) -> str:
+    """The HTTP parser's reason on one line: its lines joined, without the copy of the bad
+    input and the caret under it, e.g. ``Bad status line: Invalid HTTP version``."""
+    lines = [line.strip().rstrip(":") for line in reason.splitlines()]
+    kept = [line for line in lines if line and set(line) != {"^"}
+            and not line.startswith(("b'", 'b"'))]
+    text = ": ".join(kept) or "unreadable request"
+    return text if len(text) <= MAX_PATH_SHOWN else text[:MAX_PATH_SHOWN] + "…"
 
 
 class JsonErrorsRequestHandler(web.RequestHandler):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import urllib.parse
 from collections.abc import Collection, Mapping
 from typing import Any, TypeVar
@@ -12,6 +13,11 @@ from streamapp.views.errors import ApiError
 __all__ = ["check_params", "choice", "device_id_from_path", "device_key", "int_param"]
 
 T = TypeVar("T", bound=str)
+
+#: What an integer query parameter may look like: ASCII digits (int() would also take other
+#: scripts' digits, '_' separators and spaces), at most 18 of them, so the value is read in
+#: constant time and compared with its range as it is.
+_INTEGER_RE = re.compile(r"-?[0-9]{1,18}")
 
 
 def device_key(device_id: str) -> bytes:
@@ -67,16 +73,25 @@ def check_params(query: Mapping[str, str], allowed: Collection[str]) -> None:
 
 
 def int_param(query: Mapping[str, str], name: str, *, default: int, low: int, high: int) -> int:
-    """An integer query parameter in ``[low, high]``."""
+    """An integer query parameter in ``[low, high]``.
+
+    Raises:
+        ApiError: 400 ``bad_query`` when it is not written in ASCII digits (an optional '-')
+            or is outside the range; a number of more than 18 digits is out of range, and the
+            error shows at most its first 20 characters.
+    """
     raw = query.get(name)
     if raw is None:
         return default
-    try:
-        value = int(raw, 10)
-    except ValueError:
+    if re.fullmatch(r"-?[0-9]+", raw) and not _INTEGER_RE.fullmatch(raw):
+        shown = raw if len(raw) <= 20 else raw[:17] + "..."
+        raise ApiError(400, "bad_query", f"{name}={shown} is out of range; use {low}..{high}")
+    if not _INTEGER_RE.fullmatch(raw):
+        shown = repr(raw if len(raw) <= 20 else raw[:17] + "...")
         raise ApiError(
-            400, "bad_query", f"{name}={raw!r} is not an integer; use {low}..{high}"
-        ) from None
+            400, "bad_query", f"{name}={shown} is not an integer; use {low}..{high}"
+        )
+    value = int(raw)
     if not low <= value <= high:
         raise ApiError(400, "bad_query", f"{name}={value} is out of range; use {low}..{high}")
     return value

@@ -246,6 +246,27 @@ def test_tables_rebuild_on_a_broker_that_cannot_add_partitions_names_the_type_on
         "cannot add partitions; Apache Kafka can)")
 
 
+def test_tables_rebuild_refuses_more_partitions_than_settings_allow_before_asking_the_broker(
+    runner: CliRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from streamapp import rebuild
+    from streamapp.settings import MAX_TOPIC_PARTITIONS
+
+    asked: list[object] = []
+    monkeypatch.setattr(rebuild, "cluster_facts", lambda settings: asked.append(settings))
+    monkeypatch.setattr(rebuild, "add_partitions", lambda *args: asked.append(args))
+    result = runner.invoke(cli, ["tables", "rebuild", "-b", "kafka://127.0.0.1:9092",
+                                 "--partitions", str(MAX_TOPIC_PARTITIONS + 1)],
+                           prog_name="streamapp")
+
+    assert result.exit_code == 1 and asked == []
+    assert result.output.splitlines() == [
+        "error: --partitions 1,025 is above 1,024, the most STREAMAPP_TOPIC_PARTITIONS allows "
+        "(the workers could not start with it, and Kafka cannot remove partitions again); give "
+        "at most 1,024"]
+    assert UPPER_BOUNDS["topic_partitions"][0] == MAX_TOPIC_PARTITIONS
+
+
 def test_tables_rebuild_of_an_app_without_changelogs_refuses_with_one_line(
     runner: CliRunner, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -91,17 +91,50 @@ def test_a_worker_starts_on_the_first_version_that_passes_the_load_checks(
     if "3" in skipped:
         (three,) = [e for e in errors if "version 3" in e]
         assert "(load_failed): version 3 of digits failed to load" in three
-    if skipped:
-        assert any(r.levelno == logging.WARNING and r.getMessage().startswith(
-            f"model digits: serving version {served}; {', '.join(skipped)} failed")
-            for r in caplog.records)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    if skipped == ["4", "3"]:
+        assert warnings == [
+            "model digits: serving version 2 (versions 4 and 3 failed their checks, above; "
+            "`streamapp models check` lists every problem)"]
+    elif skipped == ["4"]:
+        assert warnings == [
+            "model digits: serving version 2 (version 4 failed its checks, above; "
+            "`streamapp models check` lists every problem)"]
+    else:
+        assert skipped == [] and warnings == []
 
 
-def test_a_worker_refuses_to_start_when_no_version_passes(tmp_path: Path) -> None:
+def test_a_current_naming_a_missing_version_is_a_warning_that_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    root = make_digits_versions(tmp_path, versions=(1, 2, 3))
+    (root / "digits" / "current").write_text("7\n")
+    with caplog.at_level(logging.INFO, logger="streamapp.models"):
+        models = load_models(_settings(root))
+    try:
+        assert models["digits"].version == "2"  # 3, the highest, does not load
+    finally:
+        _close(models)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [
+        f"model digits: {root / 'digits' / 'current'} names version '7', which does not exist "
+        "(versions: 1, 2, 3); trying the highest version, 3, instead",
+        "model digits: serving version 2 (version 3 failed its checks, above; "
+        "`streamapp models check` lists every problem)"]
+
+
+def test_a_worker_refuses_to_start_when_no_version_passes(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
     root = make_digits_versions(tmp_path, versions=(3, 4))
-    with pytest.raises(ConfigError) as info:
+    with caplog.at_level(logging.INFO, logger="streamapp.models"), \
+            pytest.raises(ConfigError) as info:
         load_models(_settings(root))
     message = str(info.value)
+    # as docs/versions.md says: an ERROR line per failing version, then the one error
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert [e.split(",")[0] for e in errors] == ["model digits: not serving version 4",
+                                                 "model digits: not serving version 3"]
     assert message.startswith("model 'digits' cannot be served: no version passes its checks; "
                               "version 4 (check_failed): sample 0 of digits v4: expected label "
                               "'5'")

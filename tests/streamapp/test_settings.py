@@ -244,6 +244,43 @@ def test_a_malformed_broker_address_is_refused_naming_the_accepted_forms(broker:
         in str(info.value)
 
 
+@pytest.mark.parametrize("broker", ["", ";", " , "])
+def test_a_broker_list_that_names_no_server_is_refused(broker: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings(broker=broker)
+
+    assert f"broker: names no bootstrap server: give {BROKER_FORMS}, e.g. " \
+        "kafka://127.0.0.1:9092" in str(info.value)
+
+
+@pytest.mark.parametrize("broker", ["kafka://user:s3cretpw@k1:9092",
+                                    "k0:9092;user:s3cretpw@k1:9092",
+                                    "http://user:s3cretpw@k1:9092",
+                                    "kafka://user:s3cretpw@k1:99999"])
+def test_user_info_in_the_broker_is_refused_pointing_at_sasl_without_showing_it(
+    monkeypatch: pytest.MonkeyPatch, broker: str
+) -> None:
+    monkeypatch.setenv("STREAMAPP_BROKER", broker)
+
+    with pytest.raises(ConfigError) as info:
+        load_settings()
+
+    message = str(info.value)
+    assert "broker: holds user info (user:password@ before a host)" in message
+    assert "STREAMAPP_SASL_USERNAME and STREAMAPP_SASL_PASSWORD with " \
+        "STREAMAPP_SECURITY_PROTOCOL=SASL_SSL" in message
+    assert "s3cretpw" not in message and "s3cretpw" not in repr(info.value.__cause__)
+
+
+@pytest.mark.parametrize("broker", ["127.0.0.1:\u0665\u0669\u0667\u0667\u0663",
+                                    "kafka://h:\uff19\uff10\uff19\uff12", "h:9\u00b2"])
+def test_a_broker_port_in_other_than_ascii_digits_is_refused(broker: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings(broker=broker)
+
+    assert f"broker: {broker!r} is not host:port with a port of 1-65535" in str(info.value)
+
+
 @pytest.mark.parametrize("broker", ["kafka://k1:9092", "k1:9092", "KAFKA://k1:9092",
                                     "[::1]:9092"])
 def test_kafka_scheme_and_plain_host_port_are_accepted(broker: str) -> None:
@@ -322,6 +359,26 @@ def test_exactly_once_commit_interval_is_at_most_half_the_transaction_timeout() 
     assert load_settings(commit_interval_ms=most + 1).commit_interval_ms == most + 1
     assert f"commit_interval_ms ({most + 1}) must be at most {most:,.0f} with " \
         "processing_guarantee=exactly_once" in str(info.value)
+
+
+@pytest.mark.parametrize(("name", "value"), [
+    ("window_expires_s", 1e9), ("window_expires_s", 1e30), ("max_request_bytes", 10**9),
+    ("max_retries", 10**30), ("metadata_refresh_interval_s", 1e30), ("gpu_server_wait_s", 1e9),
+    ("retry_backoff_base_ms", 1e30), ("ready_stall_s", 1e9), ("failure_quarantine_s", 1e30),
+    ("max_produce_bytes", 10**9), ("topic_replication_factor", 10**9),
+    ("image_decode_threads", 10**9), ("stream_buffer_maxsize", 10**30),
+    ("max_fetch_bytes", 10**9),
+])
+def test_values_of_the_new_user_trial_are_refused_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch, name: str, value: float
+) -> None:
+    monkeypatch.setenv(f"STREAMAPP_{name.upper()}", str(value))
+
+    with pytest.raises(ConfigError) as info:
+        load_settings()
+
+    bound, why = UPPER_BOUNDS[name]
+    assert f"{name}: must be at most {bound:,.0f}, not {value:,.0f}: {why}" in str(info.value)
 
 
 def test_the_defaults_are_within_every_bound() -> None:

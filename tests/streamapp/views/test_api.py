@@ -91,6 +91,43 @@ async def test_errors_are_json_with_a_code_and_a_message(
     assert body["status"] == status and body["message"]
 
 
+@pytest.mark.parametrize(
+    ("last", "message"),
+    [
+        ("99999999999999999999999", "last=99999999999999999... is out of range; use 1..360"),
+        ("9" * 5000, "last=99999999999999999... is out of range; use 1..360"),
+        ("-99999999999999999999999", "last=-9999999999999999... is out of range; use 1..360"),
+        ("\u0665", "last='\u0665' is not an integer; use 1..360"),
+        ("1_0", "last='1_0' is not an integer; use 1..360"),
+        (" 5", "last=' 5' is not an integer; use 1..360"),
+    ],
+)
+async def test_a_huge_or_non_ascii_last_is_a_json_400_naming_the_range(
+    client: TestClient[Any, Any], last: str, message: str
+) -> None:
+    response = await client.get("/devices/cam1/windows", params={"last": last})
+    body = await response.json()
+
+    assert (response.status, body["error"], body["message"]) == (400, "bad_query", message)
+
+
+async def test_last_has_a_cap_of_its_own_whatever_window_expires_s_keeps(
+    tmp_path: Path,
+) -> None:
+    # one-second windows kept a day: expiry alone would allow last=86,400
+    settings = Settings(app_id="views-test", data_dir=tmp_path, backend="onnxruntime",
+                        tumbling_window_s=1.0, hopping_step_s=1.0, window_expires_s=86_400)
+    app = create_app(settings)
+    async with TestClient(TestServer(app.web.web_app)) as c:
+        capped = await c.get("/devices/cam1/windows?last=1000")
+        refused = await c.get("/devices/cam1/windows?last=1001")
+        body = await refused.json()
+
+    assert capped.status == 503  # valid; no worker owns the device yet
+    assert (refused.status, body["error"], body["message"]) == (
+        400, "bad_query", "last=1001 is out of range; use 1..1000")
+
+
 def _accepted_at_intake(device_id: str) -> bool:
     body = {"request_id": "r", "device_id": device_id, "seq": 0, "ts": 1_700_000_000.0,
             "model": "digits", "tensor": {"dtype": "uint8", "shape": [0], "data": ""}}
@@ -121,14 +158,14 @@ async def test_a_device_id_is_queryable_exactly_when_a_request_may_carry_it(
                                                 else (400, "bad_device_id")), body
 
 
-@pytest.mark.parametrize(("method", "path", "allowed"), [
-    ("POST", "/ready", "GET"),
-    ("DELETE", "/devices/cam1", "GET"),
-    ("GET", "/models/digits/load", "POST"),
-    ("PUT", "/models/digits/unload", "POST"),
+@pytest.mark.parametrize(("method", "path", "allowed", "header"), [
+    ("POST", "/ready", "GET", "GET,HEAD"),
+    ("DELETE", "/devices/cam1", "GET", "GET,HEAD"),
+    ("GET", "/models/digits/load", "POST", "POST"),
+    ("PUT", "/models/digits/unload", "POST", "POST"),
 ])
 async def test_a_method_a_path_does_not_answer_is_a_json_405_naming_those_it_does(
-    client: TestClient[Any, Any], method: str, path: str, allowed: str
+    client: TestClient[Any, Any], method: str, path: str, allowed: str, header: str
 ) -> None:
     response = await client.request(method, path)
     body = await response.json()
@@ -136,7 +173,18 @@ async def test_a_method_a_path_does_not_answer_is_a_json_405_naming_those_it_doe
     assert (response.status, body["error"]) == (405, "method_not_allowed")
     assert body["message"] == (
         f"{method} is not allowed on {path}; it answers {allowed} (docs/api.md)")
-    assert allowed in response.headers["Allow"]
+    assert response.headers["Allow"] == header  # exactly the methods answered
+
+
+@pytest.mark.parametrize("path", ["/models/digits/load", "/models/digits/unload"])
+async def test_head_on_a_post_only_path_is_a_405_with_allow_post(
+    client: TestClient[Any, Any], path: str,
+) -> None:
+    response = await client.head(path)
+
+    assert (response.status, response.headers["Allow"]) == (405, "POST")
+    # HEAD stays answered where GET is
+    assert (await client.head("/health")).status == 200
 
 
 async def test_the_404_message_lists_every_route_with_its_method(
@@ -151,6 +199,32 @@ async def test_the_404_message_lists_every_route_with_its_method(
     assert sorted(listed) == sorted(f"{method} {path}" for method, path, *_ in ENDPOINTS)
     assert {"GET /models", "POST /models/{name}/load", "POST /models/{name}/unload"} <= set(
         listed)
+
+
+async def test_the_404_message_lists_no_faust_builtin_route(tmp_path: Path) -> None:
+    app = create_app(Settings(app_id="views-test", data_dir=tmp_path, backend="onnxruntime"))
+    app.web.init_server()  # what a worker does: Faust adds its own routes (/router/, /table/, /)
+    canonical = {r.resource.canonical for r in app.web.web_app.router.routes()}
+    assert {"/router/", "/table/", "/"} <= canonical
+
+    async with TestClient(TestServer(app.web.web_app)) as c:
+        body = await (await c.get("/nonexistent")).json()
+
+    assert body["message"] == (
+        "no endpoint serves /nonexistent; the endpoints are "
+        + ", ".join(f"{m} {p}" for m, p, *_ in ENDPOINTS[:-1])
+        + f" and {ENDPOINTS[-1][0]} {ENDPOINTS[-1][1]} (docs/api.md)")
+    assert "/router" not in body["message"] and "/table" not in body["message"]
+
+
+async def test_a_404_repeats_at_most_200_characters_of_the_path(
+    client: TestClient[Any, Any],
+) -> None:
+    path = "/" + "x" * 5000
+    body = await (await client.get(path)).json()
+
+    assert body["message"].startswith(f"no endpoint serves {path[:200]}…; the endpoints are ")
+    assert "x" * 200 not in body["message"]
 
 
 @pytest.fixture
@@ -187,24 +261,44 @@ async def test_a_url_over_the_limit_is_a_json_414_from_the_running_server(
             "a device id is at most 256 characters (docs/api.md)")
 
 
+@pytest.mark.parametrize("headers", [
+    {"X-Big": "v" * (MAX_HEADER_BYTES + 1)},  # a value over the limit
+    {"X-" + "n" * (MAX_HEADER_BYTES - 1): "v"},  # a name over it
+], ids=["value", "name"])
 async def test_a_header_over_the_limit_is_a_json_431_from_the_running_server(
-    served: str,
+    served: str, headers: dict[str, str],
 ) -> None:
     async with aiohttp.ClientSession() as session, session.get(
-        served + "/health", headers={"X-Big": "v" * (MAX_HEADER_BYTES + 1)}
+        served + "/health", headers=headers
     ) as response:
         body = await response.json()
 
     assert (response.status, body) == (431, {
         "error": "header_too_long", "status": 431,
-        "message": "a request header is longer than 8,190 bytes, the most the web API reads"})
+        "message": "a request header name or value is longer than 8,190 bytes, the most the "
+                   "web API reads of each"})
 
 
+async def test_a_header_name_and_value_each_within_the_limit_are_read(served: str) -> None:
+    # the limit is on the name and on the value, each: together they may exceed it
+    name, value = "X-" + "n" * (MAX_HEADER_BYTES - 10), "v" * (MAX_HEADER_BYTES - 10)
+    async with aiohttp.ClientSession() as session, session.get(
+        served + "/health", headers={name: value}
+    ) as response:
+        assert response.status == 200
+
+
+@pytest.mark.parametrize(("request_bytes", "message"), [
+    (b"GET /health HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n",
+     "the request is not valid HTTP/1.1: Invalid header token"),
+    (b"GET /health HTTP/9.1\r\n\r\n",
+     "the request is not valid HTTP/1.1: Bad status line: Invalid HTTP version"),
+], ids=["header", "version"])
 async def test_a_request_that_is_not_http_is_a_json_400_from_the_running_server(
-    served: str,
+    served: str, request_bytes: bytes, message: str,
 ) -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", int(served.rsplit(":", 1)[1]))
-    writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n")
+    writer.write(request_bytes)
     await writer.drain()
     head, _, payload = (await reader.read()).partition(b"\r\n\r\n")  # then it closes
     writer.close()
@@ -213,7 +307,7 @@ async def test_a_request_that_is_not_http_is_a_json_400_from_the_running_server(
     assert b"Content-Type: application/json" in head
     body = json.loads(payload)
     assert (body["error"], body["status"]) == ("bad_request", 400)
-    assert body["message"].startswith("the request is not valid HTTP/1.1: ")
+    assert body["message"] == message  # one line: not the parser's copy of the input and caret
 
 
 def test_a_failure_outside_the_views_is_a_json_500_too() -> None:

@@ -241,6 +241,39 @@ async def test_status_sends_the_token(client: TestClient[Any, Any]) -> None:
     assert TOKEN not in with_token
 
 
+@pytest.mark.parametrize("args", [["models"], ["models", "load", "digits"]],
+                         ids=["models", "models-load"])
+async def test_the_models_commands_send_the_token(
+    client: TestClient[Any, Any], runner: CliRunner, args: list[str],
+) -> None:
+    url = str(client.make_url("")).rstrip("/")
+
+    def invoke(env: dict[str, str]) -> Any:
+        return runner.invoke(cli, [*args, "--url", url], env=env)
+
+    with_token = await asyncio.to_thread(invoke, {"STREAMAPP_WEB_TOKEN": TOKEN})
+    without = await asyncio.to_thread(invoke, {})
+    wrong = await asyncio.to_thread(invoke, {"STREAMAPP_WEB_TOKEN": WRONG})
+
+    # with it: the worker's own answer (a listing; a load refused as not ready: no pipeline)
+    assert "401" not in with_token.output and "unauthorized" not in with_token.output
+    if args == ["models"]:
+        # this worker's line (the URL it advertises; no models served yet)
+        assert with_token.exit_code == 0 and with_token.output.startswith("http://")
+    else:
+        assert with_token.output.startswith("refused (not_ready, HTTP 503)")
+    path = "/models" if args == ["models"] else "/models/digits/load"
+    said = (f"error: {url} answered 401 (unauthorized): {path} needs the worker's web token: "
+            "send the header 'Authorization: Bearer <token>' with the value of "
+            "STREAMAPP_WEB_TOKEN (or of the file STREAMAPP_WEB_TOKEN_FILE names); ")
+    assert (without.exit_code, without.output.splitlines()) == (1, [
+        said + "set STREAMAPP_WEB_TOKEN (or STREAMAPP_WEB_TOKEN_FILE) to the worker's web token"])
+    assert (wrong.exit_code, wrong.output.splitlines()) == (1, [
+        said + "the STREAMAPP_WEB_TOKEN (or STREAMAPP_WEB_TOKEN_FILE) set here is not the "
+        "worker's"])
+    assert TOKEN not in with_token.output + without.output + wrong.output
+
+
 def test_the_startup_log_says_a_token_is_required_never_which() -> None:
     from streamapp.logs import startup_block
 
