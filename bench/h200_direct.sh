@@ -135,9 +135,14 @@ elif [ "$PART" = paced-short ]; then
     --only resnet50-tensor --ns 16 --ceilings aiokafka --budget-s 155
   step paced 200 python3 -m bench hotpath --broker kafka --rate 5500 --requests 82500 \
     --out "$W/paced" --logs "$W/paced/logs"
+elif [ "$PART" = jpeg16 ]; then
+  # Eighth session, the device time left after paced-short: camera JPEGs at N = 16 only,
+  # against the decode + infer ceiling and the small-result relays (GPU busy: 78 % before).
+  scaleout jpeg16 300 jpeg16 "group.initial.rebalance.delay.ms=3000" \
+    --only resnet50-jpeg --ns 16 --ceilings aiokafka --budget-s 280
 else
   echo "unknown part $PART (hotpath, jpeg, groups, groups2, profile, jpeg2, jpeg3, tensors," \
-    "tprofile, paced or paced-short)" >&2
+    "tprofile, paced, paced-short or jpeg16)" >&2
   exit 2
 fi
 tar czf "$OUT/$PART.tgz" -C "$W" . 2>/dev/null
