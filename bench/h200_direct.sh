@@ -135,6 +135,11 @@ elif [ "$PART" = paced-short ]; then
     --only resnet50-tensor --ns 16 --ceilings aiokafka --budget-s 155
   step paced 200 python3 -m bench hotpath --broker kafka --rate 5500 --requests 82500 \
     --out "$W/paced" --logs "$W/paced/logs"
+elif [ "$PART" = p99 ]; then
+  # Eighth session: digits p99 at 70 % of saturation alone (the last step of `hotpath`).
+  step digits-p99 170 env STREAMAPP_INTAKE=direct BENCH_SKIP=anchor,exactly_once,policy \
+    BENCH_OL_S=8 python3 -m bench run --profile gpu --broker kafka --only digits --no-backlog \
+    --no-scaleout --budget-s 145 --out "$W/digits-p99" --logs "$W/digits-p99/logs"
 elif [ "$PART" = jpeg16 ]; then
   # Eighth session, the device time left after paced-short: camera JPEGs at N = 16 only,
   # against the decode + infer ceiling and the small-result relays (GPU busy: 78 % before).
@@ -142,7 +147,7 @@ elif [ "$PART" = jpeg16 ]; then
     --only resnet50-jpeg --ns 16 --ceilings aiokafka --budget-s 280
 else
   echo "unknown part $PART (hotpath, jpeg, groups, groups2, profile, jpeg2, jpeg3, tensors," \
-    "tprofile, paced, paced-short or jpeg16)" >&2
+    "tprofile, paced, paced-short, jpeg16 or p99)" >&2
   exit 2
 fi
 tar czf "$OUT/$PART.tgz" -C "$W" . 2>/dev/null
