@@ -19,6 +19,14 @@ from streamapp.exceptions import StreamAppError
 __all__ = ["WorkerProcess"]
 
 
+def _retry_after_s(exc: urllib.error.HTTPError) -> float:
+    """An answer's ``Retry-After`` in seconds (the web API sends whole seconds); 1 when absent
+    or not a number."""
+    try:
+        return max(0.0, float(exc.headers.get("Retry-After", "1")))
+    except ValueError:
+        return 1.0
+
 
 class WorkerProcess:
     """``streamapp worker`` in a child process, configured through ``STREAMAPP_*`` variables.
@@ -60,12 +68,43 @@ class WorkerProcess:
         return self
 
     def get(self, path: str, timeout_s: float = 2.0) -> tuple[int, Any]:
-        """GET a path of the worker's web server: ``(status, decoded JSON body)``."""
-        try:
-            with urllib.request.urlopen(self.web_url + path, timeout=timeout_s) as response:
-                return response.status, json.loads(response.read() or b"null")
-        except urllib.error.HTTPError as exc:
-            return exc.code, json.loads(exc.read() or b"null")
+        """GET a path of the worker's web server: ``(status, decoded JSON body)``.
+
+        A 429 ``rate_limited`` answer (``web_max_requests_per_s``) is retried after its
+        ``Retry-After`` seconds, as a polite client would, for at most :attr:`RATE_LIMIT_WAIT_S`
+        in all; after that the 429 is returned.
+        """
+        status, body = self.get_bytes(path, timeout_s)
+        return status, json.loads(body or b"null")
+
+    #: Seconds :meth:`get` and :meth:`get_bytes` wait in all on 429 answers before returning one.
+    RATE_LIMIT_WAIT_S = 30.0
+
+    def get_bytes(self, path: str, timeout_s: float = 2.0) -> tuple[int, bytes]:
+        """GET a path of the worker's web server: ``(status, body)`` (``/metrics`` is text);
+        429 answers are retried as :meth:`get` says."""
+        deadline = time.monotonic() + self.RATE_LIMIT_WAIT_S
+        while True:
+            try:
+                with urllib.request.urlopen(self.web_url + path, timeout=timeout_s) as response:
+                    return response.status, response.read()
+            except urllib.error.HTTPError as exc:
+                body = exc.read()
+                wait_s = _retry_after_s(exc)
+                if exc.code != 429 or time.monotonic() + wait_s > deadline:
+                    return exc.code, body
+                time.sleep(wait_s)
+
+    def metrics_text(self, timeout_s: float = 15.0) -> str:
+        """The worker's ``/metrics`` (Prometheus text format).
+
+        Raises:
+            StreamAppError: The answer was not 200 (a 429 still, after :attr:`RATE_LIMIT_WAIT_S`).
+        """
+        status, body = self.get_bytes("/metrics", timeout_s)
+        if status != 200:
+            raise StreamAppError(f"/metrics answered {status}: {body[:300]!r}")
+        return body.decode()
 
     def wait_ready(self, timeout_s: float = 60.0) -> float:
         """Wait until ``/ready`` answers 200; return the seconds waited.

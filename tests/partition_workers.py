@@ -45,12 +45,9 @@ def start_worker(settings: Settings, tmp_path: Path, name: str = "w",
 
 def metric(worker: WorkerProcess, name: str) -> float | None:
     """The value of an unlabelled sample ``name`` in the worker's ``/metrics``."""
-    import urllib.request
-
     from prometheus_client.parser import text_string_to_metric_families
 
-    with urllib.request.urlopen(worker.web_url + "/metrics", timeout=10) as response:
-        text = response.read().decode()
+    text = worker.metrics_text()
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == name and not sample.labels:

@@ -10,8 +10,6 @@ the soak in the issue, where lag read 3 with 1,073 records uncommitted.
 
 from __future__ import annotations
 
-import urllib.request
-
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -26,8 +24,7 @@ TOTAL = 300
 
 
 def _samples(worker: WorkerProcess, family: str, topic: str | None = None) -> list[float]:
-    with urllib.request.urlopen(worker.web_url + "/metrics", timeout=15) as response:
-        text = response.read().decode()
+    text = worker.metrics_text()
     return [s.value for f in text_string_to_metric_families(text) if f.name == family
             for s in f.samples if topic is None or s.labels.get("topic") == topic]
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-import urllib.request
 from collections import Counter
 from pathlib import Path
 
@@ -199,8 +198,7 @@ async def test_a_worker_joining_and_leaving_during_traffic_loses_nothing(
 
 def _metric(worker: WorkerProcess, name: str) -> float:
     """The value of an unlabelled sample of the worker's ``/metrics``."""
-    with urllib.request.urlopen(worker.web_url + "/metrics", timeout=5) as response:
-        text = response.read().decode()
+    text = worker.metrics_text()
     for line in text.splitlines():
         if line.startswith(name + " "):
             return float(line.split()[1])

@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-import urllib.request
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -39,8 +38,7 @@ MAX_AGE_MS = 200.0
 
 
 def metric(worker: WorkerProcess, name: str, **labels: str) -> float:
-    with urllib.request.urlopen(worker.web_url + "/metrics", timeout=15) as response:
-        text = response.read().decode()
+    text = worker.metrics_text()
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):

@@ -77,8 +77,7 @@ def _get(worker: WorkerProcess, path: str) -> tuple[int, str, Any]:
 
 
 def _metrics(worker: WorkerProcess) -> dict[str, list[Any]]:
-    with urllib.request.urlopen(worker.web_url + "/metrics", timeout=15) as response:
-        text = response.read().decode()
+    text = worker.metrics_text()
     return {family.name: family.samples for family in text_string_to_metric_families(text)}
 
 

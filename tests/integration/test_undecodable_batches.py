@@ -20,7 +20,6 @@ import hashlib
 import json
 import os
 import time
-import urllib.request
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -215,8 +214,7 @@ class _Samples(dict[tuple[str, frozenset[tuple[str, str]]], float]):
 
 
 def _metrics(proc: WorkerProcess) -> _Samples:
-    with urllib.request.urlopen(proc.web_url + "/metrics", timeout=5) as response:
-        text = response.read().decode()
+    text = proc.metrics_text()
     return _Samples({
         (sample.name, frozenset(sample.labels.items())): sample.value
         for family in text_string_to_metric_families(text) for sample in family.samples

@@ -92,6 +92,14 @@ async def _wait_results(bootstrap: str, settings: Settings, at_least: int, worke
     return time.monotonic()
 
 
+def _more(before: int, n: int) -> int:
+    """The outcome count that shows the worker at work again after ``before`` were counted:
+    ``n`` more, but at most TOTAL (fewer outcomes than requests means one is unanswered, and a
+    count past TOTAL is a duplicate, never needed). CI once counted ``before`` only after the
+    worker had reconnected and answered the rest, and then waited in vain for one more."""
+    return max(before, min(before + n, TOTAL))
+
+
 def _ready_status(worker: WorkerProcess) -> tuple[int, dict[str, bool]]:
     try:
         status, body = worker.get("/ready", timeout_s=3.0)
@@ -178,7 +186,8 @@ async def test_single_broker_restart_worker_recovers_by_itself(
         assert checks["broker_responsive"] is False
         await asyncio.to_thread(kafka.start_node, 0)
         before = await _results_now(kafka.bootstrap_servers, settings)
-        resumed = await _wait_results(kafka.bootstrap_servers, settings, before + 1, worker)
+        resumed = await _wait_results(kafka.bootstrap_servers, settings,
+                                      _more(before, 1), worker)
         await _wait_ready_status(worker, 200, timeout_s=120)
         out = await collect_outcomes(
             kafka.bootstrap_servers, settings.result_topic, settings.dlq_topic,
@@ -208,7 +217,8 @@ async def test_cluster_node_killed_and_restarted_loses_nothing(
         kafka.kill_node(1)  # SIGKILL one of three: every partition keeps 2 in-sync replicas
         killed = time.monotonic()
         before = await _results_now(kafka.bootstrap_servers, settings)
-        resumed = await _wait_results(kafka.bootstrap_servers, settings, before + 500, worker)
+        resumed = await _wait_results(kafka.bootstrap_servers, settings, _more(before, 500),
+                                      worker)
         await asyncio.to_thread(kafka.start_node, 1)
         out = await collect_outcomes(
             kafka.bootstrap_servers, settings.result_topic, settings.dlq_topic,

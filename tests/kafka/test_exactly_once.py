@@ -15,7 +15,6 @@ import random
 import subprocess
 import sys
 import time
-import urllib.request
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -90,8 +89,7 @@ async def _committed(bootstrap: str, settings: Settings) -> int:
 
 def _metrics(worker: WorkerProcess) -> dict[str, float]:
     """The worker's unlabelled ``/metrics`` samples by name."""
-    with urllib.request.urlopen(f"{worker.web_url}/metrics", timeout=10) as response:
-        text = response.read().decode()
+    text = worker.metrics_text()
     samples = (line.split() for line in text.splitlines() if line and line[0] != "#")
     return {parts[0]: float(parts[1]) for parts in samples if len(parts) == 2}
 
