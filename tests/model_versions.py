@@ -73,3 +73,20 @@ def make_digits_versions(root: Path, versions: tuple[int, ...] = (1, 2, 3, 4)) -
         _write(root / "digits" / str(version), body, model)
     return root
 
+
+def rewrite_metadata(folder: Path, change: Any) -> None:
+    """Apply ``change(meta)`` to ``folder/metadata.json``."""
+    path = folder / "metadata.json"
+    meta = json.loads(path.read_text())
+    change(meta)
+    path.write_text(json.dumps(meta))
+
+
+def flat_tensors(meta: dict[str, Any]) -> None:
+    """Version 1 of digits taking flat ``[64]`` tensors of 0..255 and no images: the same
+    network (64 values per item), another request contract."""
+    meta["request"]["shape"] = [64]
+    meta["request"]["value_range"] = [0, 255]
+    del meta["image"]
+    meta["samples"] = [{**s, "tensor": [v for row in s["tensor"] for v in row]}
+                       for s in meta["samples"]]

@@ -8,6 +8,12 @@ blank image through the image pre-processing — runs through the engine. Then t
 version passes before it serves, at worker start and before ``streamapp models load`` switches
 to it (:func:`streamapp.models.verify.verify_model`): a warm-up batch and the samples its
 metadata declares. The walk-through that uses it is docs/models.md; versions: docs/versions.md.
+
+A model with several versions must keep one request contract
+(:func:`~streamapp.models.verify.contract_differences`): a version whose contract differs from
+the default version's (``NAME/current``, else the highest) has a problem naming each difference,
+so the check fails (exit 1): a worker that falls back to it at start, or a hot swap to it, would
+serve clients another contract than the rest of the group. A new contract is a new model name.
 """
 
 from __future__ import annotations
@@ -30,12 +36,13 @@ from streamapp.agents.pipeline import LoadedModel
 from streamapp.exceptions import ModelSwapError, StreamAppError
 from streamapp.models.metadata import read_metadata
 from streamapp.models.repository import (
+    CURRENT_FILE,
     ModelConfig,
     ModelRepository,
     normal_version,
     version_key,
 )
-from streamapp.models.verify import run_blocking, start_order, verify_model
+from streamapp.models.verify import contract_problem, run_blocking, start_order, verify_model
 from streamapp.records import InferenceRequest
 
 __all__ = ["ModelCheck", "check_model", "engine_problems", "format_check", "format_versions"]
@@ -54,6 +61,9 @@ class ModelCheck:
         inputs / outputs: The engine's IO tensors.
         samples_checked: How many declared samples the engine answered as declared (0: none
             declared), or None when the checks did not get that far.
+        contract_problems: The problem (in ``problems`` too) of a version whose request
+            contract differs from the model's default version's; a worker may still start on
+            it (a fallback), unlike on a version with other problems.
     """
 
     directory: Path
@@ -64,10 +74,16 @@ class ModelCheck:
     inputs: tuple[TensorSpec, ...] = ()
     outputs: tuple[TensorSpec, ...] = ()
     samples_checked: int | None = None
+    contract_problems: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
         return not self.problems
+
+    @property
+    def servable(self) -> bool:
+        """Whether a worker can start on this version (it may have another contract)."""
+        return all(p in self.contract_problems for p in self.problems)
 
     @property
     def versioned(self) -> bool:
@@ -185,7 +201,11 @@ def check_model(directory: Path, *, backend: str = "auto", max_batch_size: int =
 
     Returns:
         The findings; ``problems`` is empty when a worker can serve the model. Never raises for
-        a bad folder, file or backend: each is a problem line.
+        a bad folder, file or backend: each is a problem line. A version of a model with
+        several versions whose request contract differs from the default version's
+        (``NAME/current``, else the highest) has one problem line naming both versions and
+        each difference, e.g. ``version 2 accepts other requests than version 1 (current):
+        request.shape [16, 16] ≠ [8, 8]`` (also in ``contract_problems``).
     """
     result = ModelCheck(directory)
     meta_path = directory / "metadata.json"
@@ -219,10 +239,43 @@ def check_model(directory: Path, *, backend: str = "auto", max_batch_size: int =
         result.problems.append(
             f"name {config.name!r} differs from the folder's name {folder.name!r}: a worker "
             "finds a model by its folder; rename one of them")
+    contract = _contract_problems(result, config)
+    _check_engine(result, config, backend, max_batch_size)
+    result.problems += contract
+    result.contract_problems = contract
+    return result
+
+
+def _contract_problems(check: ModelCheck, config: ModelConfig) -> list[str]:
+    """A problem when ``config``'s request contract differs from the default version's of its
+    model (none for the default version itself, a model of one version, or when the default
+    version's metadata cannot be read: its own check says why)."""
+    root = check.directory.parent.parent if check.versioned else check.directory.parent
+    repository = ModelRepository(root)
+    try:
+        reference = repository.default_version(check.model, warn=False)
+        if reference == config.version or len(repository.versions(check.model)) < 2:
+            return []
+        other = repository.get(check.model, reference)
+        marker = root / check.model / CURRENT_FILE
+        current = marker.is_file() and marker.read_text().strip() == reference
+    except (StreamAppError, OSError):
+        return []
+    problem = contract_problem(config, other, " (current)" if current else " (the highest)")
+    if problem is None:
+        return []
+    return [f"version {config.version} {problem} (a fallback or hot swap between them would "
+            "break clients: give a new contract a new model name, docs/versions.md)"]
+
+
+def _check_engine(result: ModelCheck, config: ModelConfig, backend: str,
+                  max_batch_size: int) -> None:
+    """Load the model file, compare it with the metadata, run it once and run the start
+    checks; each problem goes to ``result.problems``."""
     if not config.path.is_file():
         result.problems.append(f"no model file {config.path.name!r} in the folder (metadata "
                                "'file', default model.onnx)")
-        return result
+        return
 
     def load(name: str) -> Engine:
         return load_engine(name, config.path, max_batch_size=max_batch_size,
@@ -232,7 +285,7 @@ def check_model(directory: Path, *, backend: str = "auto", max_batch_size: int =
         engine = load_first(backend, load)
     except (EngineError, StreamAppError) as exc:
         result.problems.append(f"{config.path.name} does not load with backend {backend!r}: {exc}")
-        return result
+        return
     with engine:
         info = engine.info
         result.engine_tag = info.tag
@@ -246,7 +299,6 @@ def check_model(directory: Path, *, backend: str = "auto", max_batch_size: int =
                 result.samples_checked = run_blocking(lambda: _verify(config, engine))
             except ModelSwapError as exc:
                 result.problems.append(f"{exc.reason}: {exc}")
-    return result
 
 
 async def _verify(config: ModelConfig, engine: Engine) -> int:
@@ -312,7 +364,9 @@ def format_check(check: ModelCheck, *, top_k: int = 3) -> list[str]:
 def format_versions(checks: Sequence[ModelCheck]) -> list[str]:
     """Per model of which several versions were checked: each version's outcome, in the order
     a worker tries them at start (:func:`~streamapp.models.verify.start_order`), and the
-    version it starts on, the first that passed (docs/versions.md).
+    version it starts on, the first that passed (docs/versions.md) — or whose only problem is
+    another request contract than the default version's (``DIFFERS``): a worker does start on
+    it, with an ERROR line, and the summary says so.
 
     Returns:
         Lines without newlines; none for a model checked at one version only.
@@ -338,6 +392,8 @@ def format_versions(checks: Sequence[ModelCheck]) -> list[str]:
             if check.ok:
                 outcome = (f"ok, {check.samples_checked} sample(s) answered as declared"
                            if check.samples_checked else "ok, no samples declared")
+            elif check.servable:  # it passes its checks, with another contract
+                outcome = f"DIFFERS: {check.problems[0]}"
             else:
                 outcome = f"FAILED: {check.problems[0]}"
             lines.append(f"  {'v' + version:<6} {outcome}")
@@ -348,8 +404,10 @@ def format_versions(checks: Sequence[ModelCheck]) -> list[str]:
         for version in order:
             if version not in found:
                 break  # not checked: cannot tell
-            if found[version].ok:
-                starts = f"a worker starts on {name} v{version}"
+            if found[version].servable:
+                starts = f"a worker starts on {name} v{version}" + (
+                    f", whose request contract differs from v{order[0]}'s (above)"
+                    if found[version].contract_problems else "")
                 break
         else:
             if order:

@@ -589,9 +589,10 @@ class ModelRepository:
             )
         return dict(sorted(found.items(), key=lambda kv: version_key(kv[0])))
 
-    def default_version(self, name: str) -> str:
+    def default_version(self, name: str, *, warn: bool = True) -> str:
         """The version a worker serves at start: ``NAME/current`` when it names one that
-        exists, else the highest.
+        exists, else the highest (with a warning, unless ``warn`` is false, when ``current``
+        names a missing version).
 
         Raises:
             As :meth:`versions`.
@@ -604,7 +605,7 @@ class ModelRepository:
             chosen = ""
         if chosen in versions:
             return chosen
-        if chosen:
+        if chosen and warn:
             log.warning("model %s: %s names version %r, which does not exist (versions: %s); "
                         "trying the highest version, %s, instead", name, marker, chosen,
                         ", ".join(versions), list(versions)[-1])

@@ -3,8 +3,11 @@
 A swap has two phases, so that a group of workers either all switch or none does:
 
 1. **prepare**: read the version from the repository, check that it takes the same requests as
-   the current one (its request contract: input name, dtype and item shape, request shape and
-   dtypes, pre-processing, value range, image declaration), load its engine off the event loop,
+   the current one and means the same by its answers (its request contract,
+   :func:`~streamapp.models.verify.contract_differences`: request shape and dtypes, value range,
+   non-finite values, image declaration, labels, output kind; and, as requests are
+   pre-processed when read, the same engine input: input name, dtype and item shape,
+   pre-processing), load its engine off the event loop,
    run a warm-up batch, then run the samples its metadata declares (``samples``: expected labels
    or scores within a tolerance). Any failure refuses the version with a reason
    (:class:`~streamapp.exceptions.ModelSwapError`) and the current version keeps serving.
@@ -42,6 +45,7 @@ from streamapp.models.verify import (
     DEFAULT_TOLERANCE,
     check_samples,
     close_model,
+    contract_problem,
     prepare_version,
     warm_up,
 )
@@ -71,9 +75,15 @@ _CONTRACT_FIELDS = ("input_name", "input_dtype", "item_shape", "request_shape", 
 def contract_difference(current: ModelConfig, candidate: ModelConfig) -> str | None:
     """What keeps ``candidate`` from answering the requests ``current`` accepts, or None.
 
-    Requests are pre-processed when they are read, before their batch picks its version, so a
-    version must take the same engine input from the same request. Labels and outputs may
-    differ. A new contract is a new model name."""
+    First its request contract
+    (:func:`~streamapp.models.verify.contract_differences`: what a request may be, the labels
+    and output kind), each difference named. Then, since requests are pre-processed when they
+    are read, before their batch picks its version, a version must take the same engine input
+    from the same request. A new contract is a new model name."""
+    problem = contract_problem(candidate, current, " (serving)")
+    if problem is not None:
+        return (f"it {problem}; clients' requests would fail or mean something else (deploy "
+                "a new request contract as a new model name, docs/versions.md)")
     for name in _CONTRACT_FIELDS:
         old, new = getattr(current, name), getattr(candidate, name)
         if old != new:

@@ -16,6 +16,13 @@ samples its metadata declares (``check_failed``: an answer differs; ``bad_metada
 cannot be used). Each refusal is a :class:`~streamapp.exceptions.ModelSwapError` with that
 reason, worded the same wherever it is raised.
 
+Versions of one model must keep one **request contract** (:func:`contract_differences`: what a
+request may be, and what an answer means), or a worker that falls back at start to another version,
+or a hot swap, would serve clients another contract than the rest of the group: ``streamapp
+models check`` reports a version whose contract differs from the default one's as a problem,
+:func:`start_version` logs an ERROR when the version it falls back to has another contract (it
+serves it all the same), and a hot swap refuses one (``incompatible_version``).
+
 Samples (metadata ``samples``): a list of objects, each ``{"tensor": nested list in request
 units (the shape of ``request.shape``), "dtype": request dtype (default the widest float of
 ``request.dtypes``, else the first), "label": expected top-1 label and/or "scores": expected
@@ -44,6 +51,8 @@ __all__ = [
     "DEFAULT_TOLERANCE",
     "check_samples",
     "close_model",
+    "contract_differences",
+    "contract_problem",
     "prepare_version",
     "run_blocking",
     "start_order",
@@ -97,6 +106,95 @@ def _sample_items(config: ModelConfig) -> list[tuple[dict[str, Any], np.ndarray]
                 f"used: {exc}",
             ) from None
     return items
+
+
+def _values(values: object) -> str:
+    """A list or tuple as ``[a, b]`` (numbers as ``%g``), anything else as JSON would say it."""
+    if isinstance(values, (list, tuple)):
+        return "[" + ", ".join(f"{v:g}" if isinstance(v, float) else str(v)
+                               for v in values) + "]"
+    if values is None:
+        return "none"
+    if isinstance(values, bool):
+        return "true" if values else "false"
+    return f"{values:g}" if isinstance(values, float) else str(values)
+
+
+def _image_text(config: ModelConfig) -> str:
+    image = config.image
+    if image is None:
+        return "none (tensor requests only)"
+    return f"{image.mode} {image.size[0]}x{image.size[1]}"
+
+
+def _labels_difference(a: tuple[str, ...], b: tuple[str, ...]) -> str:
+    first = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+    where = "" if first is None else f", first at index {first}: {a[first]!r} ≠ {b[first]!r}"
+    if len(a) != len(b):
+        return f"labels {len(a)} ≠ {len(b)} labels{where}"
+    differ = sum(x != y for x, y in zip(a, b, strict=True))
+    return f"labels: {differ} of {len(a)} differ{where}"
+
+
+#: The fields of an ``image`` declaration that a client depends on: which images are taken
+#: (``formats``, ``max_pixels``) and what an image means in request units (the rest).
+#: ``resample`` and ``background`` refine how pixels are read; a new version may change them.
+_IMAGE_CONTRACT = ("mode", "size", "scale", "offset", "mean", "std", "layout", "channel_order",
+                   "formats", "max_pixels")
+
+
+def contract_differences(a: ModelConfig, b: ModelConfig) -> list[str]:
+    """How version ``a``'s request contract differs from version ``b``'s, one short line per
+    field, ``a``'s value first: ``request.shape [16, 16] ≠ [8, 8]``.
+
+    The contract is what a client depends on: which requests are taken (``request.shape``,
+    ``request.dtypes``, ``request.value_range``, ``request.allow_non_finite``, whether images
+    are, and the ``image`` fields that say which images and what they mean in request units:
+    ``mode``, ``size``, ``scale``, ``offset``, ``mean``, ``std``, ``layout``,
+    ``channel_order``, ``formats``, ``max_pixels``) and what an answer means (``labels``,
+    ``output.kind``). The engine side (input name, dtype and item shape, ``preprocessing``) is
+    not: it may change with a new network.
+
+    Returns:
+        The differences; empty when both versions have the same contract.
+    """
+    lines = []
+    for field, old, new in (
+        ("request.shape", list(b.request_shape), list(a.request_shape)),
+        ("request.dtypes", sorted(b.request_dtypes), sorted(a.request_dtypes)),
+        ("request.value_range", b.value_range, a.value_range),
+        ("request.allow_non_finite", b.allow_non_finite, a.allow_non_finite),
+    ):
+        if old != new:
+            lines.append(f"{field} {_values(new)} ≠ {_values(old)}")
+    if (a.image is None) != (b.image is None):
+        lines.append(f"image {_image_text(a)} ≠ {_image_text(b)}")
+    elif a.image is not None and b.image is not None:
+        for name in _IMAGE_CONTRACT:
+            old, new = getattr(b.image, name), getattr(a.image, name)
+            if old != new:
+                lines.append(f"image.{name} {_values(new)} ≠ {_values(old)}")
+    if a.labels != b.labels:
+        lines.append(_labels_difference(a.labels, b.labels))
+    kinds = [c.metadata.get("output", {}).get("kind") for c in (a, b)]
+    if kinds[0] != kinds[1]:
+        lines.append(f"output.kind {_values(kinds[0])} ≠ {_values(kinds[1])}")
+    return lines
+
+
+def contract_problem(a: ModelConfig, b: ModelConfig, role: str = "") -> str | None:
+    """:func:`contract_differences` in one phrase, or None for the same contract, e.g.
+    ``accepts other requests than version 1 (current): request.shape [16, 16] ≠ [8, 8]``
+    (``role`` is ``" (current)"`` there); ``answers in other terms than`` when only the labels
+    or ``output.kind`` differ."""
+    differences = contract_differences(a, b)
+    if not differences:
+        return None
+    requests = any(not d.startswith(("labels", "output.")) for d in differences)
+    answers = any(d.startswith(("labels", "output.")) for d in differences)
+    what = " and ".join(w for w, on in (("accepts other requests", requests),
+                                        ("answers in other terms", answers)) if on)
+    return f"{what} than version {b.version}{role}: {'; '.join(differences)}"
 
 
 async def check_samples(model: LoadedModel) -> int:
@@ -261,7 +359,11 @@ async def start_version(
     loads and passes :func:`verify_model` (the checks of ``streamapp models load``).
 
     A version that fails is logged (an error naming the version and its reason: the failing
-    sample, what was expected and what came) and skipped.
+    sample, what was expected and what came) and skipped. When the version it falls back to
+    has another request contract than the first of the order (:func:`contract_differences`),
+    an ERROR line names each difference: it serves that version all the same (refusing to
+    start would answer no request at all), but workers of the group that serve the first one
+    accept other requests or answer in other terms.
 
     Args:
         repository: The worker's model repository.
@@ -281,12 +383,15 @@ async def start_version(
     if not fallback:
         order = order[:1]
     refused: list[tuple[str, ModelSwapError]] = []
+    preferred: ModelConfig | None = None  # the first version's, when its metadata is valid
     for version in order:
         try:
             try:
                 config = await asyncio.to_thread(repository.get, name, version)
             except ConfigError as exc:
                 raise ModelSwapError("bad_metadata", str(exc)) from exc
+            if version == order[0]:
+                preferred = config
             model, checked = await prepare_version(config, loader)
         except ModelSwapError as exc:
             refused.append((version, exc))
@@ -300,6 +405,13 @@ async def start_version(
                      f"versions {', '.join(failed[:-1])} and {failed[-1]} failed their checks")
             log.warning("model %s: serving version %s (%s, above; `streamapp models check` "
                         "lists every problem)", name, version, which)
+            differs = None if preferred is None else contract_problem(
+                config, preferred, " (the version to serve)")
+            if preferred is not None and differs is not None:
+                log.error("model %s: serving version %s, which %s; a request that version %s "
+                          "takes may fail here or mean something else: fix version %s, or give "
+                          "a new request contract a new model name (docs/versions.md)", name,
+                          version, differs, preferred.version, preferred.version)
         log.info("model %s v%s: %d sample(s) answered as declared", name, version, checked)
         return model
     hint = (f" (streamapp models check {repository.root / name} lists every problem; "

@@ -104,6 +104,29 @@ def test_a_worker_starts_on_the_first_version_that_passes_the_load_checks(
         assert skipped == [] and warnings == []
 
 
+def test_a_fallback_with_another_request_contract_is_an_error_line_and_still_serves(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    from tests.model_versions import flat_tensors, rewrite_metadata
+
+    root = make_digits_versions(tmp_path, versions=(1, 4))  # 4, the highest, fails its samples
+    rewrite_metadata(root / "digits" / "1", flat_tensors)
+    with caplog.at_level(logging.INFO, logger="streamapp.models"):
+        models = load_models(_settings(root))
+    try:
+        assert models["digits"].version == "1"  # serving beats refusing to start
+    finally:
+        _close(models)
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 2 and errors[0].startswith("model digits: not serving version 4")
+    assert errors[1] == (
+        "model digits: serving version 1, which accepts other requests than version 4 (the "
+        "version to serve): request.shape [64] ≠ [8, 8]; request.value_range [0, 255] ≠ "
+        "[0, 16]; image none (tensor requests only) ≠ L 8x8; a request that version 4 takes "
+        "may fail here or mean something else: fix version 4, or give a new request contract "
+        "a new model name (docs/versions.md)")
+
+
 def test_a_current_naming_a_missing_version_is_a_warning_that_says_so(
     tmp_path: Path, caplog: pytest.LogCaptureFixture,
 ) -> None:
