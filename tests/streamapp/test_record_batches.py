@@ -43,6 +43,37 @@ def unpack(
     return [(r.offset, r.value) for r in records], records.next_fetch_offset
 
 
+@pytest.fixture(autouse=True, params=["google-crc32c", "aiokafka"])
+def crc_by(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test twice: the batch CRC computed by google-crc32c over the fetched buffer, and
+    by aiokafka (where google-crc32c's C extension is missing)."""
+    if request.param == "aiokafka":
+        monkeypatch.setattr(record_batches, "_crc32c", None)
+    else:
+        assert record_batches._crc32c is not None, "google-crc32c's C extension is installed"
+    return str(request.param)
+
+
+def test_the_crc_is_checked_by_the_chosen_code(
+    crc_by: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    topic = f"req-{uuid4().hex[:8]}"
+    guard_record_batches([topic])
+    calls: list[int] = []
+    if crc_by == "google-crc32c":
+        real = record_batches._crc32c
+        monkeypatch.setattr(record_batches, "_crc32c",
+                            lambda data: calls.append(len(data)) or real(data))
+    big = [(b"dev-a", bytes(range(256)) * 1200)]  # 307 kB, as a ResNet-50 tensor request
+    good = batch_bytes(big) + batch_bytes(values(1, 2), base_offset=1)
+    bad = with_bad_crc(batch_bytes(big, base_offset=3))
+
+    assert unpack(topic, good)[0] == [(0, big[0][1]), (1, b"v1"), (2, b"v2")]
+    assert unpack(topic, bad, fetch_offset=3)[0] == [(3, None)]
+    if crc_by == "google-crc32c":  # from the attributes on; a small batch is aiokafka's
+        assert calls == [len(batch_bytes(big)) - 21, len(bad) - 21]
+
+
 @pytest.fixture
 def request_topic() -> str:
     """A fresh guarded topic (the registry is process-wide)."""
