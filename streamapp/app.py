@@ -274,7 +274,7 @@ def create_app(settings: Settings | None = None) -> faust.App:
             log.critical("%s", exc)
             await app.crash(exc)
             return
-        set_fetch_max_wait(app, conf.fetch_max_wait_ms)
+        set_fetch_max_wait(app, conf.fetch_max_wait_ms, conf.fetch_min_bytes)
         set_read_committed(app)
         # room for one state flush (a stats row and window buckets per device touched since
         # the last one: thousands with thousands of devices), so that a flush does not stall

@@ -612,13 +612,15 @@ def dlq_tail(
     )
 
     settings, security = _topic_context(broker, topic_prefix)
-    where = DeadLetterFilter(reason=reason, device=device, since=_since(since))
+    where = DeadLetterFilter(reason=reason, device=device, since=_since(since),
+                             retry_topic=settings.retry_topic)
 
     def show(entries: list[DeadLetterEntry], header: bool) -> None:
         text = (
             format_json_lines(entries)
             if as_json
-            else format_entries(entries, header=header, fixed=follow)
+            else format_entries(entries, header=header, fixed=follow,
+                                retry_topic=settings.retry_topic)
         )
         if text:
             typer.echo(text)
@@ -663,7 +665,8 @@ def dlq_replay(
     from streamapp.dlq import DeadLetterFilter, describe_causes, replay_dead_letters
 
     settings, security = _topic_context(broker, topic_prefix)
-    where = DeadLetterFilter(reason=reason, device=device, since=_since(since))
+    where = DeadLetterFilter(reason=reason, device=device, since=_since(since),
+                             retry_topic=settings.retry_topic)
     if reason not in REASONS:
         typer.secho(
             f"warning: {reason!r} is not a known reason code ({', '.join(REASONS)})",
@@ -684,9 +687,12 @@ def dlq_replay(
         f" ({report.recreated} of them re-created from the retry record that held the request)"
         if report.recreated else ""
     )
+    # the count once: by cause only when there are several
+    causes = (next(iter(report.not_replayed)) if len(report.not_replayed) == 1
+              else describe_causes(report.not_replayed))
     not_replayable = (
-        f"; {report.skipped} matching cannot be replayed, they hold no request "
-        f"({describe_causes(report.not_replayed)})" if report.skipped else ""
+        f"; {report.skipped} matching cannot be replayed, they hold no request ({causes})"
+        if report.skipped else ""
     )
     if dry_run:
         typer.echo(
@@ -842,34 +848,96 @@ def _web_token(settings: Any) -> str:
         raise _fail(str(exc)) from None
 
 
+def _shown_url(url: str) -> str | None:
+    """``url`` as messages print it: its user info (``user:password@``) replaced by ``***@``
+    and its query and fragment (``?token=...``) left out, so that no secret reaches a
+    terminal or a log; None when it cannot be parsed (then print none of it)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # e.g. an unclosed IPv6 bracket
+        return None
+    netloc = parts.netloc
+    if "@" in netloc:
+        netloc = "***@" + netloc.rpartition("@")[2]
+    shown = urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+    if not netloc and "@" in shown:  # no "//" (user:pw@host:6066): the user info is the path's
+        shown = "***@" + shown.rpartition("@")[2]
+    return shown
+
+
+def _check_url(url: str) -> None:
+    """Refuse a ``--url`` that is not an http:// or https:// URL with a host (and a port in
+    range, when it has one) with one usage line (exit 2), before any request."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        usable = parts.scheme in ("http", "https") and bool(parts.hostname)
+        _ = parts.port  # raises ValueError when it is not a port (0-65535)
+    except ValueError:
+        usable = False
+    if not usable:
+        shown = _shown_url(url)
+        raise _fail("--url must be an http:// or https:// URL such as http://localhost:6066"
+                    + ("" if shown is None else f"; got {shown!r}"), 2)
+
+
 def _worker(url: str | None) -> tuple[str, str]:
     """The worker's web URL (``--url``, else this host's STREAMAPP_WEB_PORT) and the web token
-    to send it."""
+    to send it.
+
+    Raises:
+        typer.Exit: 2 with a usage line when ``url`` is not an http(s) URL
+            (:func:`_check_url`); 1 with one line when the settings or the token are unusable.
+    """
     from streamapp.settings import load_settings
 
+    if url is not None:
+        _check_url(url)
     try:
         settings = load_settings()
     except StreamAppError as exc:
         raise _fail(str(exc)) from None
-    return url or f"http://127.0.0.1:{settings.web_port}", _web_token(settings)
+    default = f"http://127.0.0.1:{settings.web_port}"
+    return url if url is not None else default, _web_token(settings)
 
 
 def _ask(base: str, url: str, token: str, method: str = "GET") -> tuple[int, Any]:
     """A call to the worker at ``base`` with the web token; a worker that does not answer or
-    refuses the token (401) is one error line."""
+    refuses the token (401) is one error line, which names ``base`` without its user info or
+    query (:func:`_shown_url`).
+
+    Raises:
+        typer.Exit: 1 when the worker does not answer, answers with no JSON, or answers 401.
+    """
+    from urllib.parse import urlsplit
+
     from streamapp.models.commands import request_json
 
+    shown = _shown_url(base) or "the --url given"
     try:
         status, body = request_json(url, method, token=token)
     except (OSError, ValueError) as exc:
-        raise _fail(f"the worker at {base} did not answer ({exc}); is it running? give its web "
-                    "URL with --url") from None
+        problem = str(exc)
+        try:
+            parts = urlsplit(base)
+            secrets = {parts.netloc.rpartition("@")[0] + "@": "***@", "?" + parts.query: "",
+                       "#" + parts.fragment: ""}
+        except ValueError:
+            secrets = {base: shown}
+        for secret, mask in secrets.items():  # an error that quotes the URL quotes them too
+            if len(secret) > 1:
+                problem = problem.replace(secret, mask)
+        raise _fail(f"the worker at {shown} did not answer ({problem}); is it running? give its "
+                    "web URL with --url") from None
     if status == 401:
         message = body.get("message") if isinstance(body, dict) else None
         sent = ("the STREAMAPP_WEB_TOKEN (or STREAMAPP_WEB_TOKEN_FILE) set here is not the "
                 "worker's" if token else "set STREAMAPP_WEB_TOKEN (or STREAMAPP_WEB_TOKEN_FILE) "
                 "to the worker's web token")
-        raise _fail(f"{base} answered 401 (unauthorized): {message or 'no web token'}; {sent}")
+        raise _fail(f"{shown} answered 401 (unauthorized): {message or 'no web token'}; {sent}")
     return status, body
 
 
@@ -878,7 +946,7 @@ def models_list(ctx: typer.Context, url: WorkerUrl = None) -> None:
     """Every worker's versions of each model: the current one (*), loaded, on disk.
 
     Sends the web token (STREAMAPP_WEB_TOKEN or STREAMAPP_WEB_TOKEN_FILE) when one is set.
-    Exits 1 when a worker does not answer.
+    Exits 1 when a worker does not answer, 2 when --url is not an http:// or https:// URL.
     """
     if ctx.invoked_subcommand is not None:
         return
@@ -888,7 +956,7 @@ def models_list(ctx: typer.Context, url: WorkerUrl = None) -> None:
     status, body = _ask(base, base.rstrip("/") + "/models", token)
     if status != 200 or not isinstance(body, dict):
         message = body.get("message") if isinstance(body, dict) else None
-        raise _fail(f"{base} answered {status}: {message or body}")
+        raise _fail(f"{_shown_url(base) or 'the worker'} answered {status}: {message or body}")
     for line in format_listing(body):
         typer.echo(line)
     if any(w.get("status") == "unreachable" for w in body.get("workers", [])):
@@ -907,8 +975,9 @@ def models_load(
 ) -> None:
     """Load a version on every worker of the group, warm it up, check it against its declared
     samples, then switch between two batches. Exits 1 when it is refused (the old version
-    keeps serving) and prints each worker's reason. Sends the web token (STREAMAPP_WEB_TOKEN or
-    STREAMAPP_WEB_TOKEN_FILE) when one is set."""
+    keeps serving) and prints each worker's reason; exits 2 when --url is not an http:// or
+    https:// URL. Sends the web token (STREAMAPP_WEB_TOKEN or STREAMAPP_WEB_TOKEN_FILE) when one
+    is set."""
     from streamapp.models.commands import format_load, load_url
 
     base, token = _worker(url)

@@ -50,6 +50,8 @@ __all__ = [
     "describe_causes",
     "format_entries",
     "format_json_lines",
+    "letter_device",
+    "letter_request_id",
     "parse_since",
     "read_dead_letters",
     "replay_dead_letters",
@@ -98,24 +100,24 @@ class DeadLetterFilter:
 
     Attributes:
         reason: ``error.reason`` equals this.
-        device: ``device_id`` equals this, or — for letters whose value could not be decoded —
-            the record key (UTF-8) does.
+        device: The device the letter's request holds (:func:`letter_device`) equals this:
+            its ``device_id``, or — for letters whose value could not be decoded — the record
+            key (UTF-8), never the request_id that keys a retry record.
         since: Dead-lettered at or after this time (epoch s, :attr:`DeadLetterEntry.failed_at`).
+        retry_topic: The retry topic (``settings.retry_topic``): letters read from it hold a
+            retry record (:func:`letter_device`).
     """
 
     reason: str | None = None
     device: str | None = None
     since: float | None = None
+    retry_topic: str | None = None
 
     def matches(self, entry: DeadLetterEntry) -> bool:
-        letter = entry.letter
         if self.reason is not None and entry.reason != self.reason:
             return False
         if self.device is not None:
-            device = letter.device_id
-            if device is None and letter.key is not None:
-                device = letter.key.decode("utf-8", "replace")
-            if device != self.device:
+            if letter_device(entry.letter, retry_topic=self.retry_topic) != self.device:
                 return False
         return self.since is None or entry.failed_at >= self.since
 
@@ -267,6 +269,57 @@ def _request_in_retry_record(value: bytes) -> tuple[bytes, bytes] | None:
     return key_bytes, value_bytes
 
 
+def _device_in_retry_record(value: bytes) -> str | None:
+    """The device of the request a retry record carries: its ``device_id`` field, else its
+    ``key`` field (base64 of the request's key, which is the device_id in UTF-8), else None."""
+    try:
+        body = json.loads(value.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    if not isinstance(body, dict):
+        return None
+    device, key = body.get("device_id"), body.get("key")
+    if isinstance(device, str) and device:
+        return device
+    if not isinstance(key, str):
+        return None
+    try:
+        return base64.b64decode(key, validate=True).decode("utf-8") or None
+    except (binascii.Error, ValueError):  # UnicodeDecodeError is a ValueError
+        return None
+
+
+def letter_device(letter: DeadLetter, *, retry_topic: str | None = None) -> str | None:
+    """The device whose request a dead letter holds, as ``dlq tail`` shows it and ``--device``
+    matches it.
+
+    Args:
+        letter: A dead letter.
+        retry_topic: The retry topic's name (see :func:`replay_record`).
+
+    Returns:
+        Its ``device_id``; else, for a letter that holds a retry record (whose key is the
+        request_id, not the device), the device of the request that record carries, or None;
+        else its key decoded as UTF-8 (requests are keyed by device_id), or None without one.
+    """
+    if letter.device_id is not None:
+        return letter.device_id
+    if _holds_retry_record(letter, retry_topic):
+        return _device_in_retry_record(letter.value)
+    return None if letter.key is None else letter.key.decode("utf-8", "replace")
+
+
+def letter_request_id(letter: DeadLetter, *, retry_topic: str | None = None) -> str | None:
+    """The request_id of a dead letter's request: its ``request_id``, else, for a letter that
+    holds a retry record, that record's key (a retry record is keyed by request_id), else
+    None."""
+    if letter.request_id is not None:
+        return letter.request_id
+    if letter.key and _holds_retry_record(letter, retry_topic):
+        return letter.key.decode("utf-8", "replace")
+    return None
+
+
 def replay_record(letter: DeadLetter, *, retry_topic: str | None = None) -> ReplayRecord | str:
     """What replaying ``letter`` sends to the request topic, or why nothing.
 
@@ -341,9 +394,9 @@ async def replay_dead_letters(
     not_replayed = dict(Counter(plan for plan in plans if isinstance(plan, str)))
     skipped = len(matched) - len(records)
     recreated = sum(r.recreated for r in records)
-    if skipped:
-        log.warning("%d matching dead letters are not replayed: they hold no request (%s)",
-                    skipped, describe_causes(not_replayed))
+    if skipped:  # INFO: the report has the counts, and `dlq replay` prints them once
+        log.info("%d matching dead letters are not replayed: they hold no request (%s)",
+                 skipped, describe_causes(not_replayed))
     if dry_run or not records:
         return ReplayReport(len(matched), 0, request_topic, dry_run, skipped, recreated,
                             not_replayed)
@@ -397,16 +450,13 @@ def _fit(widths: dict[str, int], total: int) -> dict[str, int]:
     return widths
 
 
-def _row(entry: DeadLetterEntry) -> dict[str, str]:
+def _row(entry: DeadLetterEntry, retry_topic: str | None) -> dict[str, str]:
     letter = entry.letter
     source = letter.source or {}
-    device = letter.device_id
-    if device is None:
-        device = "-" if letter.key is None else letter.key.decode("utf-8", "replace")
     return {
         "time": iso_utc(entry.failed_at),
-        "device": device,
-        "request_id": letter.request_id or "-",
+        "device": letter_device(letter, retry_topic=retry_topic) or "-",
+        "request_id": letter_request_id(letter, retry_topic=retry_topic) or "-",
         "reason": entry.reason,
         "stage": str(letter.error.get("stage", "")),
         "message": str(letter.error.get("message", "")),
@@ -421,8 +471,12 @@ def format_entries(
     width: int | None = None,
     header: bool = True,
     fixed: bool = False,
+    retry_topic: str | None = None,
 ) -> str:
     """An aligned text table: time (UTC), device, request_id, reason, stage, message, source.
+
+    The device is the one the letter's request holds (:func:`letter_device`; ``-`` when it
+    cannot be read), never the request_id that keys a retry record.
 
     Args:
         entries: What to show, in order.
@@ -434,11 +488,13 @@ def format_entries(
         header: Start with the column names.
         fixed: Column widths from fixed caps instead of the data, so that tables printed one
             after the other (``tail --follow``) line up.
+        retry_topic: The retry topic (``settings.retry_topic``): letters read from it hold a
+            retry record (every ``invalid_retry_record`` letter does).
 
     Returns:
         The lines, no trailing newline; ``""`` when there is nothing to print.
     """
-    rows = [_row(e) for e in entries]
+    rows = [_row(e, retry_topic) for e in entries]
     if not rows and not header:
         return ""
     widths = {

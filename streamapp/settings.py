@@ -123,6 +123,10 @@ UPPER_BOUNDS: dict[str, tuple[float, str]] = {
         _MINUTE_MS, "a fetch that waits longer than request_timeout_s times out, and at light "
         "load every request would wait this long",
     ),
+    "fetch_min_bytes": (
+        64 * 1024 * 1024, "a fetch answers at most fetch.max.bytes (Kafka's default 50 MiB), so "
+        "every fetch would wait the whole fetch_max_wait_ms",
+    ),
     "producer_linger_ms": (
         _MINUTE_MS, "every result, retry and dead letter would wait this long before it is "
         "sent, and its request's commit with it",
@@ -250,6 +254,30 @@ def _bound(name: str) -> str:
     return f" At most {bound:,.0f}: {why}."
 
 
+#: Most characters of a refused number that a settings error echoes (then "…").
+_MAX_SHOWN_CHARS = 40
+
+
+def _shown_number(value: float) -> str:
+    """A refused number as a settings error echoes it, short whatever its size: an int with
+    thousands separators, cut after :data:`_MAX_SHOWN_CHARS` characters with "…" and its digit
+    count; a float from 1e15 up in exponent form (``1e+30``, never its 300 rounded digits), a
+    smaller one with separators when integral (``5,000``), else in its shortest form
+    (``2700.5``)."""
+    if isinstance(value, int):
+        try:
+            text = f"{value:,}"
+        except ValueError:  # more digits than Python converts (sys.get_int_max_str_digits())
+            return f"a number of about {value.bit_length() * 30103 // 100000 + 1:,} digits"
+        if len(text) <= _MAX_SHOWN_CHARS:
+            return text
+        digits = sum(c.isdigit() for c in text)
+        return f"{text[:_MAX_SHOWN_CHARS - 1].rstrip(',')}… ({digits:,} digits)"
+    if abs(value) >= 1e15:
+        return f"{value:.6g}"
+    return f"{value:,.0f}" if value.is_integer() else repr(value)
+
+
 class Settings(BaseSettings):
     """Worker settings. Field names carry their units.
 
@@ -335,6 +363,14 @@ class Settings(BaseSettings):
         description="Longest a fetch waits for data (ms). Faust fixes 1500 ms; the embedded "
         "broker always waits that long when a partition is idle, so it sets the latency floor "
         "at light load. Below request_timeout_s." + _bound("fetch_max_wait_ms"),
+    )
+    fetch_min_bytes: int = Field(
+        1, ge=1,
+        description="Bytes a fetch waits for, up to fetch_max_wait_ms (Kafka's fetch.min.bytes; "
+        "1: answered as soon as one record is there). Larger values make a paced stream "
+        "arrive in fewer, larger fetches, for less consumer CPU per record at light load, and "
+        "add up to fetch_max_wait_ms of latency there (docs/performance.md)."
+        + _bound("fetch_min_bytes"),
     )
     metadata_refresh_interval_s: float = Field(
         30.0, ge=1.0,
@@ -897,10 +933,9 @@ class Settings(BaseSettings):
     def _at_most(cls, value: float, info: ValidationInfo) -> float:
         bound, why = UPPER_BOUNDS[str(info.field_name)]
         if value > bound:
-            got = f"{value:,.0f}" if float(value).is_integer() else str(value)
             raise PydanticCustomError(
                 "at_most", "must be at most {bound}, not {got}: {why}",
-                {"bound": f"{bound:,.0f}", "got": got, "why": why},
+                {"bound": f"{bound:,.0f}", "got": _shown_number(value), "why": why},
             )
         return value
 

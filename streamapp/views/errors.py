@@ -16,6 +16,7 @@ from aiohttp.web_request import BaseRequest
 from faust.web import View
 
 __all__ = [
+    "LINGER_S",
     "MAX_HEADER_BYTES",
     "MAX_URL_BYTES",
     "ApiError",
@@ -142,6 +143,10 @@ MAX_URL_BYTES = 8192
 #: aiohttp raises the same error (:class:`~aiohttp.http_exceptions.LineTooLong`) for both, and
 #: the limit it carries is what tells them apart.
 MAX_HEADER_BYTES = 8190
+#: Seconds the server keeps discarding the unread body of a request it has answered before it
+#: closes the connection (aiohttp's lingering close; its default of 10 s let a client that
+#: declares ``Content-Length: 99999999999`` hold a connection 10 s per request).
+LINGER_S = 1.0
 
 
 def unreadable_request(status: int, exc: BaseException | None,
@@ -212,12 +217,14 @@ class _JsonErrorsServer(web.Server):
 
 class JsonErrorsAppRunner(web.AppRunner):
     """An :class:`~aiohttp.web.AppRunner` whose server reads URLs up to
-    :data:`MAX_URL_BYTES` and headers up to :data:`MAX_HEADER_BYTES` and answers a request it
-    cannot read in JSON (:class:`JsonErrorsRequestHandler`)."""
+    :data:`MAX_URL_BYTES` and headers up to :data:`MAX_HEADER_BYTES`, answers a request it
+    cannot read in JSON (:class:`JsonErrorsRequestHandler`), and after answering a request
+    whose body was not read (a 405, say) discards the rest of that body for at most
+    :data:`LINGER_S` before it closes the connection."""
 
     def __init__(self, app: web.Application, **kwargs: Any) -> None:
         super().__init__(app, max_line_size=MAX_URL_BYTES, max_field_size=MAX_HEADER_BYTES,
-                         **kwargs)
+                         lingering_time=LINGER_S, **kwargs)
 
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()

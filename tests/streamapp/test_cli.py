@@ -287,3 +287,101 @@ def test_tables_rebuild_of_an_app_without_changelogs_refuses_with_one_line(
         "nosuchapp-device_stats-changelog, nosuchapp-device_windows-changelog, "
         "nosuchapp-retry_counts-changelog): nothing to rebuild; check --app-id (the workers' "
         "STREAMAPP_APP_ID) and --broker"]
+
+
+# -- streamapp models --url ---------------------------------------------------------------------
+
+MODELS_COMMANDS = [["models"], ["models", "load", "digits"]]
+URL_USAGE = "error: --url must be an http:// or https:// URL such as http://localhost:6066"
+
+
+@pytest.fixture
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize("command", MODELS_COMMANDS, ids=" ".join)
+@pytest.mark.parametrize(("url", "shown"), [
+    ("http://user:pw@127.0.0.1:{port}", "http://***@127.0.0.1:{port}"),
+    ("http://127.0.0.1:{port}/?token=s3cret#pw", "http://127.0.0.1:{port}/"),
+    ("https://user:pw@127.0.0.1:{port}/w?token=s3cret", "https://***@127.0.0.1:{port}/w"),
+], ids=["user-info", "query", "both"])
+def test_a_worker_that_does_not_answer_is_named_without_user_info_or_query(
+    runner: CliRunner, closed_port: int, command: list[str], url: str, shown: str
+) -> None:
+    given = url.format(port=closed_port)
+
+    result = runner.invoke(cli, [*command, "--url", given], prog_name="streamapp")
+
+    assert result.exit_code == 1
+    (line,) = result.output.splitlines()
+    assert line.startswith(f"error: the worker at {shown.format(port=closed_port)} did not "
+                           "answer (")
+    assert line.endswith("); is it running? give its web URL with --url")
+    assert "pw" not in line and "s3cret" not in line and "user" not in line
+
+
+def test_an_error_that_quotes_the_url_has_its_secrets_replaced(
+    runner: CliRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from streamapp.models import commands
+
+    def refuse(url: str, *args: object, **kwargs: object) -> None:
+        raise ValueError(f"URL can't contain control characters. {url!r}")
+
+    monkeypatch.setattr(commands, "request_json", refuse)
+    result = runner.invoke(cli, ["models", "--url", "http://u:pw@host:6066/?token=s3cret"],
+                           prog_name="streamapp")
+
+    assert result.exit_code == 1
+    (line,) = result.output.splitlines()
+    assert line.startswith("error: the worker at http://***@host:6066/ did not answer")
+    assert "pw" not in line and "s3cret" not in line
+
+
+@pytest.mark.parametrize(("status", "said"), [
+    (401, "answered 401 (unauthorized): no web token; set STREAMAPP_WEB_TOKEN"),
+    (500, "answered 500: boom"),
+])
+def test_a_worker_answer_names_the_url_without_user_info_or_query(
+    runner: CliRunner, monkeypatch: pytest.MonkeyPatch, status: int, said: str
+) -> None:
+    from streamapp.models import commands
+
+    monkeypatch.setattr(commands, "request_json",
+                        lambda *args, **kwargs: (status, {"message": "boom"} if status == 500
+                                                 else None))
+    result = runner.invoke(cli, ["models", "--url", "http://u:pw@host:6066?token=s3cret"],
+                           prog_name="streamapp")
+
+    assert result.exit_code == 1
+    (line,) = result.output.splitlines()
+    assert line.startswith(f"error: http://***@host:6066 {said}")
+    assert "pw" not in line and "s3cret" not in line
+
+
+@pytest.mark.parametrize("command", MODELS_COMMANDS, ids=" ".join)
+@pytest.mark.parametrize(("url", "got"), [
+    ("", "; got ''"),
+    ("localhost:6066", "; got 'localhost:6066'"),
+    ("ftp://x", "; got 'ftp://x'"),
+    ("http://", "; got 'http://'"),
+    ("http://localhost:99999", "; got 'http://localhost:99999'"),
+    ("user:pw@host:6066?token=s3cret", "; got '***@host:6066'"),
+    ("ftp://user:pw@host/?token=s3cret", "; got 'ftp://***@host/'"),
+    ("http://[::1", ""),  # not parseable: none of it is echoed
+], ids=["empty", "no-scheme", "ftp", "no-host", "bad-port", "no-scheme-user-info",
+        "ftp-user-info", "unparseable"])
+def test_a_url_that_is_not_http_is_one_usage_line_before_any_request(
+    runner: CliRunner, monkeypatch: pytest.MonkeyPatch, command: list[str], url: str, got: str
+) -> None:
+    from streamapp.models import commands
+
+    asked: list[object] = []
+    monkeypatch.setattr(commands, "request_json", lambda *args, **kwargs: asked.append(args))
+    result = runner.invoke(cli, [*command, "--url", url], prog_name="streamapp")
+
+    assert (result.exit_code, asked) == (2, [])
+    assert result.output.splitlines() == [URL_USAGE + got]

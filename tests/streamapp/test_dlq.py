@@ -25,6 +25,8 @@ from streamapp.dlq import (
     DeadLetterReader,
     ReplayRecord,
     format_entries,
+    letter_device,
+    letter_request_id,
     read_dead_letters,
     replay_dead_letters,
     replay_record,
@@ -237,6 +239,50 @@ def test_letters_without_their_value_or_of_a_record_batch_are_not_replayed() -> 
 
     assert [replay_record(d) for d in (cut, batch, kept_out)] == [NOT_KEPT, RECORD_BATCH,
                                                                   NOT_KEPT]
+
+
+def _retry_entry(envelope: bytes, retry_topic: str = "inference-retry") -> DeadLetterEntry:
+    return DeadLetterEntry(retry_letter(envelope, retry_topic), partition=0, offset=3,
+                           timestamp_ms=0)
+
+
+@pytest.mark.parametrize(("envelope", "device"), [
+    (retry_envelope(b"cam-1", ORIGINAL, not_before="soon"), "cam-1"),  # its device_id field
+    (retry_envelope(b"cam-1", ORIGINAL, device_id=7), "cam-1"),  # else its request's key
+    (retry_envelope(None, ORIGINAL, device_id=7), "-"),
+    (retry_envelope(b"\xff", ORIGINAL, device_id=7), "-"),  # a key that is not UTF-8
+    (b"\xff not json", "-"),
+    (b"[1, 2]", "-"),
+], ids=["device-id", "request-key", "no-key", "key-not-utf8", "not-json", "not-an-object"])
+def test_a_retry_record_letter_shows_its_requests_device_never_the_request_id(
+    envelope: bytes, device: str,
+) -> None:
+    # the letter's key is the retry record's: the request_id
+    held = _retry_entry(envelope)
+
+    (row,) = format_entries([held], width=160, header=False).splitlines()
+
+    assert row.split()[1:4] == [device, "req-r", "invalid_retry_record"]
+    assert letter_device(held.letter) == (None if device == "-" else device)
+    assert DeadLetterFilter(device="req-r").matches(held) is False
+    assert DeadLetterFilter(device="cam-1").matches(held) is (device == "cam-1")
+
+
+def test_a_letter_read_from_the_retry_topic_shows_its_requests_device_whatever_its_reason(
+) -> None:
+    held = letter(1, "unproducible_outcome", device=None, key=b"req-r",
+                  value=retry_envelope(None, ORIGINAL, device_id=7))
+    held.source = {"topic": "p.inference-retry", "partition": 0, "offset": 1}
+    shown = DeadLetterEntry(held, partition=0, offset=1, timestamp_ms=0)
+
+    (row,) = format_entries([shown], width=160, header=False,
+                            retry_topic="p.inference-retry").splitlines()
+
+    assert row.split()[1:3] == ["-", "req-r"]
+    assert not DeadLetterFilter(device="req-r", retry_topic="p.inference-retry").matches(shown)
+    assert letter_request_id(held, retry_topic="p.inference-retry") == "req-r"
+    assert letter_device(held) == "req-r"  # retry topic unknown: a request's key, as before
+
 
 
 # -- on the broker --------------------------------------------------------------------------------
@@ -481,14 +527,15 @@ async def test_cli_replays_the_request_of_a_retry_record_and_counts_what_it_skip
     def replay(*args: str) -> str:
         result = runner.invoke(cli, ["dlq", "replay", *_args(topics, *args)])
         assert result.exit_code == 0, result.output
+        assert result.stderr == ""  # the skipped count is on the one line, not in a log too
         return str(result.stdout)
 
     dry = await asyncio.to_thread(replay, "--reason", "invalid_retry_record", "--dry-run")
     retried = await asyncio.to_thread(replay, "--reason", "invalid_retry_record")
     plain = await asyncio.to_thread(replay, "--reason", "bad_shape")
 
-    skipped = ("; 1 matching cannot be replayed, they hold no request "
-               f"({UNREADABLE_RETRY_RECORD}: 1)")
+    # the count once: one cause needs no count of its own
+    skipped = f"; 1 matching cannot be replayed, they hold no request ({UNREADABLE_RETRY_RECORD})"
     recreated = " (1 of them re-created from the retry record that held the request)"
     assert dry.splitlines() == [
         f"dry run: would replay 1 dead letters (reason=invalid_retry_record) to "
@@ -604,6 +651,52 @@ async def test_cli_replay_prints_the_count(topics: Settings, runner: CliRunner) 
     assert topics.request_topic in real.stdout
     republished = await read_all(topics.bootstrap_servers, topics.request_topic, expect=1)
     assert republished == [(b"cam-0", b"\xff\x00orig-2\x80")]
+
+
+@pytest.mark.kafka
+async def test_cli_replay_prints_the_skipped_count_once(
+    topics: Settings, runner: CliRunner
+) -> None:
+    cut = letter(1, "unproducible_outcome", "cam-1", NOW, value=b"")
+    cut.extra = {"value_omitted": {"bytes": 999_845, "sha256": "0" * 64}}
+    batch = letter(2, "unproducible_outcome", "cam-1", NOW)
+    batch.extra = {"record_batch": {"first_offset": 5, "last_offset": 8}}
+    whole = letter(3, "unproducible_outcome", "cam-1", NOW)
+    await publish_letters(topics, [cut, batch, whole])
+
+    result = await asyncio.to_thread(runner.invoke, cli, ["dlq", "replay", *_args(
+        topics, "--reason", "unproducible_outcome", "--dry-run")])
+
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines() == [
+        f"dry run: would replay 1 dead letters (reason=unproducible_outcome) to "
+        f"{topics.request_topic}; nothing published; 2 matching cannot be replayed, they hold "
+        f"no request ({RECORD_BATCH}: 1, {NOT_KEPT}: 1)"]  # by cause: several
+
+
+@pytest.mark.kafka
+async def test_cli_tail_shows_the_device_of_a_retry_records_request(
+    topics: Settings, runner: CliRunner
+) -> None:
+    readable = retry_letter(retry_envelope(b"cam-1", ORIGINAL, not_before="soon"),
+                            topics.retry_topic)
+    unreadable = retry_letter(b"\xff not json", topics.retry_topic)
+    await publish_letters(topics, [readable, unreadable])
+
+    def tail(*args: str) -> list[list[str]]:
+        result = runner.invoke(cli, ["dlq", "tail", *_args(topics, *args)],
+                               env={"COLUMNS": "160"})
+        assert result.exit_code == 0, result.output
+        return [row.split()[1:3] for row in result.stdout.splitlines()]
+
+    shown = await asyncio.to_thread(tail)
+    by_request = await asyncio.to_thread(tail, "--device", "req-r")
+    by_device = await asyncio.to_thread(tail, "--device", "cam-1")
+
+    # DEVICE, REQUEST_ID: never the request_id that keys a retry record in the device column
+    assert sorted(shown[1:]) == [["-", "req-r"], ["cam-1", "req-r"]]
+    assert by_request == []
+    assert by_device[1:] == [["cam-1", "req-r"]]
 
 
 def test_cli_replay_requires_a_reason(runner: CliRunner) -> None:

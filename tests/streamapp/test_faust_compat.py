@@ -119,3 +119,25 @@ def test_a_static_member_whose_url_changed_takes_its_partitions_and_rejoins() ->
     # the fresh assignment after the rejoin names the member's own URL: no further rejoin
     app.assignor.on_assignment(_assignment_for(app.assignor, "http://worker-a:6100"))
     assert coordinator.rejoins == 1
+
+
+async def test_fetch_wait_and_min_bytes_reach_aiokafkas_fetcher() -> None:
+    """``fetch_max_wait_ms`` and ``fetch_min_bytes`` are set on a real aiokafka fetcher (its
+    ``_create_fetch_requests`` reads both from itself for every FetchRequest)."""
+    from unittest.mock import MagicMock
+
+    from aiokafka.consumer.fetcher import Fetcher
+    from aiokafka.consumer.subscription_state import SubscriptionState
+
+    from streamapp.faust_compat import set_fetch_max_wait
+
+    client = MagicMock(_loop=asyncio.get_running_loop(), _metadata_max_age_ms=300_000)
+    fetcher = Fetcher(client, SubscriptionState())
+    try:
+        app = SimpleNamespace(consumer=SimpleNamespace(
+            _thread=SimpleNamespace(_consumer=SimpleNamespace(_fetcher=fetcher))))
+        assert set_fetch_max_wait(app, 25.0, 16_384) is True
+        assert (fetcher._fetch_max_wait_ms, fetcher._fetch_min_bytes) == (25, 16_384)
+        assert set_fetch_max_wait(SimpleNamespace(consumer=SimpleNamespace()), 25.0) is False
+    finally:
+        await fetcher.close()

@@ -361,16 +361,21 @@ def test_exactly_once_commit_interval_is_at_most_half_the_transaction_timeout() 
         "processing_guarantee=exactly_once" in str(info.value)
 
 
-@pytest.mark.parametrize(("name", "value"), [
-    ("window_expires_s", 1e9), ("window_expires_s", 1e30), ("max_request_bytes", 10**9),
-    ("max_retries", 10**30), ("metadata_refresh_interval_s", 1e30), ("gpu_server_wait_s", 1e9),
-    ("retry_backoff_base_ms", 1e30), ("ready_stall_s", 1e9), ("failure_quarantine_s", 1e30),
-    ("max_produce_bytes", 10**9), ("topic_replication_factor", 10**9),
-    ("image_decode_threads", 10**9), ("stream_buffer_maxsize", 10**30),
-    ("max_fetch_bytes", 10**9),
+_DIGITS_30 = "1,000,000,000,000,000,000,000,000,000,0… (31 digits)"
+
+
+@pytest.mark.parametrize(("name", "value", "shown"), [
+    ("window_expires_s", 1e9, "1,000,000,000"), ("window_expires_s", 1e30, "1e+30"),
+    ("max_request_bytes", 10**9, "1,000,000,000"), ("max_retries", 10**30, _DIGITS_30),
+    ("metadata_refresh_interval_s", 1e30, "1e+30"), ("gpu_server_wait_s", 1e9, "1,000,000,000"),
+    ("retry_backoff_base_ms", 1e30, "1e+30"), ("ready_stall_s", 1e9, "1,000,000,000"),
+    ("failure_quarantine_s", 1e30, "1e+30"), ("max_produce_bytes", 10**9, "1,000,000,000"),
+    ("topic_replication_factor", 10**9, "1,000,000,000"),
+    ("image_decode_threads", 10**9, "1,000,000,000"),
+    ("stream_buffer_maxsize", 10**30, _DIGITS_30), ("max_fetch_bytes", 10**9, "1,000,000,000"),
 ])
 def test_values_of_the_new_user_trial_are_refused_from_the_environment(
-    monkeypatch: pytest.MonkeyPatch, name: str, value: float
+    monkeypatch: pytest.MonkeyPatch, name: str, value: float, shown: str
 ) -> None:
     monkeypatch.setenv(f"STREAMAPP_{name.upper()}", str(value))
 
@@ -378,7 +383,40 @@ def test_values_of_the_new_user_trial_are_refused_from_the_environment(
         load_settings()
 
     bound, why = UPPER_BOUNDS[name]
-    assert f"{name}: must be at most {bound:,.0f}, not {value:,.0f}: {why}" in str(info.value)
+    assert f"{name}: must be at most {bound:,.0f}, not {shown}: {why}" in str(info.value)
+
+
+@pytest.mark.parametrize(("name", "value", "shown"), [
+    ("session_timeout_s", "1e30", "1e+30"),
+    ("session_timeout_s", "1e308", "1e+308"),
+    ("session_timeout_s", "2e15", "2e+15"),
+    ("session_timeout_s", "2700.5", "2700.5"),
+    ("session_timeout_s", "5000", "5,000"),
+    ("max_retries", "9" * 60, "999,999,999,999,999,999,999,999,999,999… (60 digits)"),
+    ("max_retries", "9" * 4000, "9,999,999,999,999,999,999,999,999,999,9… (4,000 digits)"),
+])
+def test_a_refused_value_is_echoed_compactly_whatever_its_size(
+    monkeypatch: pytest.MonkeyPatch, name: str, value: str, shown: str
+) -> None:
+    # a huge float used to print its 31 or 309 rounded digits, a huge int the digits of its
+    # float (wrong ones), and a 4,000-digit int crashed the check (OverflowError)
+    monkeypatch.setenv(f"STREAMAPP_{name.upper()}", value)
+
+    with pytest.raises(ConfigError) as info:
+        load_settings()
+
+    bound, why = UPPER_BOUNDS[name]
+    said = f"{name}: must be at most {bound:,.0f}, not {shown}: {why}"
+    assert said in str(info.value)
+    assert len(str(info.value)) < len(said) + 100  # one short line, whatever the value
+
+
+def test_an_int_too_long_to_print_is_refused_with_its_size() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings(max_retries=10**5000)  # beyond sys.get_int_max_str_digits()
+
+    assert "max_retries: must be at most 100, not a number of about 5,001 digits: " \
+        in str(info.value)
 
 
 def test_the_defaults_are_within_every_bound() -> None:

@@ -27,7 +27,12 @@ from streamapp.faust_compat import PartitionMarks
 from streamapp.readiness import ProgressWatch
 from streamapp.settings import Settings
 from streamapp.views import ENDPOINTS, api_reference
-from streamapp.views.errors import MAX_HEADER_BYTES, MAX_URL_BYTES, unreadable_request
+from streamapp.views.errors import (
+    LINGER_S,
+    MAX_HEADER_BYTES,
+    MAX_URL_BYTES,
+    unreadable_request,
+)
 
 API_DOC = (Path(__file__).resolve().parents[3] / "docs" / "api.md").read_text()
 
@@ -308,6 +313,23 @@ async def test_a_request_that_is_not_http_is_a_json_400_from_the_running_server(
     body = json.loads(payload)
     assert (body["error"], body["status"]) == ("bad_request", 400)
     assert body["message"] == message  # one line: not the parser's copy of the input and caret
+
+
+async def test_an_unread_huge_body_holds_its_connection_about_linger_s_not_10_s(
+    served: str,
+) -> None:
+    """A 405 is answered before the body is read; the rest of the declared body is then
+    discarded for LINGER_S, not aiohttp's default 10 s, before the server closes."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", int(served.rsplit(":", 1)[1]))
+    writer.write(b"POST /health HTTP/1.1\r\nHost: x\r\nContent-Length: 99999999999\r\n\r\n"
+                 + b"x" * 1000)
+    await writer.drain()
+    answered = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    closed = await asyncio.wait_for(reader.read(), LINGER_S + 4)  # EOF: it closed
+    writer.close()
+
+    assert answered.split(b"\r\n")[0].endswith(b" 405 Method Not Allowed")
+    assert b"error" in closed  # the JSON body, then EOF well before 10 s
 
 
 def test_a_failure_outside_the_views_is_a_json_500_too() -> None:
