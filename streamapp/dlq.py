@@ -245,16 +245,22 @@ def _holds_retry_record(letter: DeadLetter, retry_topic: str | None) -> bool:
     return retry_topic is not None and (letter.source or {}).get("topic") == retry_topic
 
 
+def _json_object(value: bytes) -> dict[str, Any] | None:
+    """``value`` as a JSON object (a retry record's encoding), or None when it is not one."""
+    try:
+        body = json.loads(value.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    return body if isinstance(body, dict) else None
+
+
 def _request_in_retry_record(value: bytes) -> tuple[bytes, bytes] | None:
     """The original request's ``(key, value)`` a retry record carries (base64 in its ``key``
     and ``value`` fields), or None when they cannot be read or cannot be a retried request: a
     request is retried only once decoded, so its key and value are not empty and the key is its
     ``device_id`` (the record's ``device_id`` field)."""
-    try:
-        body = json.loads(value.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        return None
-    if not isinstance(body, dict):
+    body = _json_object(value)
+    if body is None:
         return None
     key, original, device = body.get("key"), body.get("value"), body.get("device_id")
     if not (isinstance(key, str) and isinstance(original, str) and isinstance(device, str)):
@@ -272,11 +278,8 @@ def _request_in_retry_record(value: bytes) -> tuple[bytes, bytes] | None:
 def _device_in_retry_record(value: bytes) -> str | None:
     """The device of the request a retry record carries: its ``device_id`` field, else its
     ``key`` field (base64 of the request's key, which is the device_id in UTF-8), else None."""
-    try:
-        body = json.loads(value.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        return None
-    if not isinstance(body, dict):
+    body = _json_object(value)
+    if body is None:
         return None
     device, key = body.get("device_id"), body.get("key")
     if isinstance(device, str) and device:
