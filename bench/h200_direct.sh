@@ -17,7 +17,8 @@
 # paced-short: the tensors and the paced run of `paced`, without py-spy (~6.5 min);
 # p99:     digits p99 at 70 % of saturation alone (eighth session);
 # fetch:   the paced worker under py-spy and digits p99 at 70 %, each with fetches that wait
-#          for 16 or 64 KiB (STREAMAPP_FETCH_MIN_BYTES; ~8 min);
+#          for 16 KiB (STREAMAPP_FETCH_MIN_BYTES), after bench.fetch_cost (~6.5 min);
+# fetch64: digits p99 at 70 % with fetches that wait for 64 KiB (~3 min);
 # jpeg:    ResNet-50 on camera JPEGs (nvJPEG), N = 1, 8, 12, 16 workers of one group started
 #          by `streamapp worker --processes N --gpu-executor shared`, the engine alone and
 #          the aiokafka relay at the same N;
@@ -143,16 +144,20 @@ elif [ "$PART" = p99 ]; then
   step digits-p99 170 env STREAMAPP_INTAKE=direct BENCH_SKIP=anchor,exactly_once,policy \
     BENCH_OL_S=8 python3 -m bench run --profile gpu --broker kafka --only digits --no-backlog \
     --no-scaleout --budget-s 145 --out "$W/digits-p99" --logs "$W/digits-p99/logs"
-elif [ "$PART" = fetch ]; then
-  # Ninth session's plan for the p99 level (~8 min): does a fetch that waits for more bytes
+elif [ "$PART" = fetch ] || [ "$PART" = fetch64 ]; then
+  # Ninth session's plan for the p99 level: does a fetch that waits for more bytes
   # (STREAMAPP_FETCH_MIN_BYTES, up to STREAMAPP_FETCH_MAX_WAIT_MS) cut the worker's CPU per
-  # record at a paced rate enough to keep up at 70 % of saturation? The paced worker under
-  # py-spy with 16 KiB / 3 ms, then digits p99 at 70 % with 16 KiB / 3 ms and 64 KiB / 5 ms
-  # (the `p99` part is the 1 B / 25 ms default).
-  step paced-fetch16k 150 env STREAMAPP_FETCH_MIN_BYTES=16384 STREAMAPP_FETCH_MAX_WAIT_MS=3 \
+  # record at a paced rate enough to keep up at 70 % of saturation? A plain aiokafka
+  # consumer's cost by fetch size at 5,500/s (bench.fetch_cost), the paced worker under
+  # py-spy with 16 KiB / 3 ms, then digits p99 at 70 % with 16 KiB / 3 ms (~6.5 min); the
+  # part fetch64: digits p99 at 70 % with 64 KiB / 5 ms alone (~3 min). The `p99` part is the
+  # 1 B / 25 ms default.
+  [ "$PART" = fetch ] && step fetch-cost 80 python3 -m bench.fetch_cost --rate 5500 --seconds 8
+  [ "$PART" = fetch ] && step paced-fetch16k 150 env STREAMAPP_FETCH_MIN_BYTES=16384 STREAMAPP_FETCH_MAX_WAIT_MS=3 \
     python3 -m bench hotpath --broker kafka --rate 5500 --requests 82500 --rungs product \
     --profile-s 8 --profile-after-s 12 --out "$W/paced-fetch16k" --logs "$W/paced-fetch16k/logs"
-  for f in 16384:3 65536:5; do
+  variants=16384:3; [ "$PART" = fetch64 ] && variants=65536:5
+  for f in $variants; do
     IFS=: read -r bytes wait <<< "$f"
     step "digits-p99-fetch$bytes" 170 env STREAMAPP_INTAKE=direct STREAMAPP_FETCH_MIN_BYTES="$bytes" \
       STREAMAPP_FETCH_MAX_WAIT_MS="$wait" BENCH_SKIP=anchor,exactly_once,policy BENCH_OL_S=8 \
@@ -167,7 +172,7 @@ elif [ "$PART" = jpeg16 ]; then
     --only resnet50-jpeg --ns 16 --ceilings aiokafka --budget-s 280
 else
   echo "unknown part $PART (hotpath, jpeg, groups, groups2, profile, jpeg2, jpeg3, tensors," \
-    "tprofile, paced, paced-short, jpeg16, p99 or fetch)" >&2
+    "tprofile, paced, paced-short, jpeg16, p99, fetch or fetch64)" >&2
   exit 2
 fi
 tar czf "$OUT/$PART.tgz" -C "$W" . 2>/dev/null

@@ -274,7 +274,13 @@ def create_app(settings: Settings | None = None) -> faust.App:
             log.critical("%s", exc)
             await app.crash(exc)
             return
-        set_fetch_max_wait(app, conf.fetch_max_wait_ms, conf.fetch_min_bytes)
+        if not set_fetch_max_wait(app, conf.fetch_max_wait_ms, conf.fetch_min_bytes):
+            log.warning("could not set the consumer's fetch_max_wait_ms and fetch_min_bytes "
+                        "(Faust's consumer has no aiokafka fetcher where faust_compat looks): "
+                        "fetches wait Faust's 1,500 ms for 1 byte")
+        else:
+            log.debug("fetches wait at most %g ms for %d bytes", conf.fetch_max_wait_ms,
+                      conf.fetch_min_bytes)
         set_read_committed(app)
         # room for one state flush (a stats row and window buckets per device touched since
         # the last one: thousands with thousands of devices), so that a flush does not stall
