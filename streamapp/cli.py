@@ -869,7 +869,8 @@ def _shown_url(url: str) -> str | None:
 
 def _check_url(url: str) -> None:
     """Refuse a ``--url`` that is not an http:// or https:// URL with a host (and a port in
-    range, when it has one) with one usage line (exit 2), before any request."""
+    range, when it has one), or that carries a user name, password, query or fragment, with
+    one usage line (exit 2) that echoes none of those, before any request."""
     from urllib.parse import urlsplit
 
     try:
@@ -882,6 +883,16 @@ def _check_url(url: str) -> None:
         shown = _shown_url(url)
         raise _fail("--url must be an http:// or https:// URL such as http://localhost:6066"
                     + ("" if shown is None else f"; got {shown!r}"), 2)
+    # urllib would send a user name and password as part of the host name, and a query or
+    # fragment would swallow the path appended to the URL (/models): refuse both
+    if parts.username is not None or parts.password is not None:
+        raise _fail("--url must not carry a user name or password (got "
+                    f"{_shown_url(url)!r}): the worker takes its web token from "
+                    "STREAMAPP_WEB_TOKEN (or STREAMAPP_WEB_TOKEN_FILE) set here", 2)
+    if parts.query or parts.fragment or url.rstrip().endswith(("?", "#")):
+        raise _fail("--url must be the worker's base URL, without a query or fragment, such "
+                    f"as http://localhost:6066 (got {_shown_url(url)!r}); the web token goes "
+                    "in STREAMAPP_WEB_TOKEN", 2)
 
 
 def _worker(url: str | None) -> tuple[str, str]:
@@ -905,32 +916,22 @@ def _worker(url: str | None) -> tuple[str, str]:
 
 
 def _ask(base: str, url: str, token: str, method: str = "GET") -> tuple[int, Any]:
-    """A call to the worker at ``base`` with the web token; a worker that does not answer or
-    refuses the token (401) is one error line, which names ``base`` without its user info or
-    query (:func:`_shown_url`).
+    """A call to the worker at ``base`` (a URL :func:`_check_url` passed) with the web token;
+    a worker that does not answer or refuses the token (401) is one error line.
 
     Raises:
         typer.Exit: 1 when the worker does not answer, answers with no JSON, or answers 401.
     """
-    from urllib.parse import urlsplit
+    from http.client import HTTPException
 
     from streamapp.models.commands import request_json
 
+    # a --url with user info, a query or a fragment was refused (_check_url): nothing secret
     shown = _shown_url(base) or "the --url given"
     try:
         status, body = request_json(url, method, token=token)
-    except (OSError, ValueError) as exc:
-        problem = str(exc)
-        try:
-            parts = urlsplit(base)
-            secrets = {parts.netloc.rpartition("@")[0] + "@": "***@", "?" + parts.query: "",
-                       "#" + parts.fragment: ""}
-        except ValueError:
-            secrets = {base: shown}
-        for secret, mask in secrets.items():  # an error that quotes the URL quotes them too
-            if len(secret) > 1:
-                problem = problem.replace(secret, mask)
-        raise _fail(f"the worker at {shown} did not answer ({problem}); is it running? give its "
+    except (OSError, ValueError, HTTPException) as exc:  # InvalidURL is an HTTPException
+        raise _fail(f"the worker at {shown} did not answer ({exc}); is it running? give its "
                     "web URL with --url") from None
     if status == 401:
         message = body.get("message") if isinstance(body, dict) else None

@@ -139,7 +139,8 @@ class ModelSwapError(StreamAppError):
         reason: ``unknown_model``, ``version_not_found``, ``bad_metadata``,
             ``incompatible_version``, ``load_failed``, ``warmup_failed``, ``check_failed``,
             ``not_supported`` (shared executor), ``not_prepared``, ``busy``, ``not_ready``,
-            ``worker_unreachable`` (docs/versions.md lists them).
+            ``worker_unreachable``; for an unload also ``version_serving`` (docs/versions.md
+            lists them).
         status: The HTTP status the endpoint answers with (404, 409, 422, 503).
     """
 

@@ -124,8 +124,9 @@ UPPER_BOUNDS: dict[str, tuple[float, str]] = {
         "load every request would wait this long",
     ),
     "fetch_min_bytes": (
-        64 * 1024 * 1024, "a fetch answers at most fetch.max.bytes (Kafka's default 50 MiB), so "
-        "every fetch would wait the whole fetch_max_wait_ms",
+        50 * 1024 * 1024, "a fetch response carries at most fetch.max.bytes (50 MiB, aiokafka's "
+        "and Kafka's default), so a larger minimum makes every fetch wait the whole "
+        "fetch_max_wait_ms",
     ),
     "producer_linger_ms": (
         _MINUTE_MS, "every result, retry and dead letter would wait this long before it is "

@@ -73,7 +73,13 @@ def format_load(status: int, body: dict[str, Any]) -> list[str]:
         lines = [f"{body['model']} version {body['version']} is serving on "
                  f"{len(body['workers'])} worker(s)"]
     else:
-        lines = [f"refused ({body.get('error')}, HTTP {status}): {body.get('message')}"]
+        workers = body.get("workers") or []
+        refused = [w for w in workers if w.get("status") in ("refused", "unreachable")]
+        # the message repeats the first refusal, which its worker's line below says already
+        message = (f"version {body.get('version')} of {body.get('model')} is refused by "
+                   f"{len(refused)} of {len(workers)} worker(s), the old version keeps serving"
+                   if refused else body.get("message"))
+        lines = [f"refused ({body.get('error')}, HTTP {status}): {message}"]
     for worker in body.get("workers", []):
         who = worker.get("worker") or worker.get("url")
         if worker.get("status") in ("refused", "unreachable"):

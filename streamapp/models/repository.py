@@ -600,15 +600,16 @@ class ModelRepository:
         versions = self.versions(name)
         marker = self.root / name / CURRENT_FILE
         try:
-            chosen = marker.read_text().strip()
+            written: str | None = marker.read_text().strip()
         except OSError:
-            chosen = ""
+            written = None  # no marker: the highest version, as documented
+        chosen = normal_version(written) if written else ""  # "02" is version 2, as a folder
         if chosen in versions:
             return chosen
-        if chosen and warn:
-            log.warning("model %s: %s names version %r, which does not exist (versions: %s); "
-                        "trying the highest version, %s, instead", name, marker, chosen,
-                        ", ".join(versions), list(versions)[-1])
+        if written is not None and warn:
+            what = f"names version {written!r}, which does not exist" if written else "is empty"
+            log.warning("model %s: %s %s (versions: %s); trying the highest version, %s, "
+                        "instead", name, marker, what, ", ".join(versions), list(versions)[-1])
         return list(versions)[-1]
 
     def get(self, name: str, version: str | None = None) -> ModelConfig:

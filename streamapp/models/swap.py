@@ -302,9 +302,15 @@ class ModelSwapper:
         """Unload a version kept with ``keep`` (not the current one).
 
         Raises:
-            ModelSwapError: ``version_not_found`` (404) when it is not loaded or is current.
+            ModelSwapError: ``version_serving`` (409) when it is the current version (swap to
+                another first), ``version_not_found`` (404) when it is not loaded.
         """
         version = normal_version(version)
+        current = self._running().models.get(name)
+        if current is not None and current.version == version:
+            raise ModelSwapError(
+                "version_serving", f"cannot unload {name} v{version}: it is the version "
+                "serving; load another version first (streamapp models load)", status=409)
         try:
             model = self._running().unload(name, version)
         except KeyError as exc:

@@ -73,7 +73,8 @@ ENDPOINTS: tuple[tuple[str, str, str, str], ...] = (
      "switch after all had prepared."),
     ("POST", "/models/{name}/unload", "`version` (required)",
      "Unload on every worker a version kept with `keep=true` (not the current one); its "
-     "device memory is returned once its last batch finished. 404 when not loaded."),
+     "device memory is returned once its last batch finished. 404 `version_not_found` when "
+     "not loaded, 409 `version_serving` for the version serving (load another first)."),
     ("GET", "/devices", "`limit` (1–1000, 100), `sort` (`device_id`, `-total`, `-last_seen`), "
      "`cursor` (the previous page's `next_cursor`) or `offset` (0)",
      "Devices **this** worker owns: `count`, `devices` (id, total, counts, last seq, last "

@@ -328,6 +328,11 @@ async def test_reloading_a_kept_version_closes_the_kept_copy(repo: Path) -> None
         assert list(pipeline.loaded["digits"]) == ["1"]
         with pytest.raises(ModelSwapError) as current:
             await swapper.unload("digits", "1")
-        assert current.value.reason == "version_not_found" and "current" in str(current.value)
+        assert (current.value.reason, current.value.status) == ("version_serving", 409)
+        assert str(current.value) == ("cannot unload digits v1: it is the version serving; load "
+                                      "another version first (streamapp models load)")
+        with pytest.raises(ModelSwapError) as gone:
+            await swapper.unload("digits", "2")  # unloaded above
+        assert (gone.value.reason, gone.value.status) == ("version_not_found", 404)
     finally:
         await _stop(pipeline, swapper)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import shutil
 from pathlib import Path
 from typing import Any
@@ -39,10 +40,26 @@ def test_version_folders_flat_ones_and_the_current_file(tmp_path: Path) -> None:
     assert repo.get("digits", "02").version == "2"
     repo.set_current("digits", "2")
     assert repo.default_version("digits") == "2" and repo.get("digits").version == "2"
+    (root / "digits" / "current").write_text("04\n")  # as a folder "04" would be: version 4
+    assert repo.default_version("digits") == "4"
     with pytest.raises(ModelNotFoundError, match=r"no version '3' .*versions there: 1, 2, 4, 12"):
         repo.get("digits", "3")
     with pytest.raises(ModelNotFoundError, match="models there: digits"):
         repo.get("faces")
+
+
+def test_an_empty_current_file_is_a_warning_and_the_highest_version_serves(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    root = make_digits_versions(tmp_path, versions=(1, 2))
+    (root / "digits" / "current").write_text("\n")
+
+    with caplog.at_level(logging.WARNING, logger="streamapp.models"):
+        assert ModelRepository(root).default_version("digits") == "2"
+
+    assert [r.getMessage() for r in caplog.records] == [
+        f"model digits: {root / 'digits' / 'current'} is empty (versions: 1, 2); trying the "
+        "highest version, 2, instead"]
 
 
 def test_a_model_with_version_folders_only_is_listed(tmp_path: Path) -> None:
