@@ -16,6 +16,7 @@ from aiohttp.web_request import BaseRequest
 from faust.web import View
 
 __all__ = [
+    "KEEPALIVE_S",
     "LINGER_S",
     "MAX_HEADER_BYTES",
     "MAX_URL_BYTES",
@@ -147,6 +148,13 @@ MAX_HEADER_BYTES = 8190
 #: closes the connection (aiohttp's lingering close; its default of 10 s let a client that
 #: declares ``Content-Length: 99999999999`` hold a connection 10 s per request).
 LINGER_S = 1.0
+#: Seconds a connection may stay without a complete request: idle between requests, or
+#: still sending its first request's head (aiohttp's keep-alive timeout, which it also arms
+#: when a connection opens; its default of 75 s let 3,000 connections that never finished
+#: their headers hold 3,000 file descriptors for that long, new-user trial, ninth session).
+#: Above aiohttp's client pool keep-alive (15 s), which the workers' forwarded device queries
+#: use: a server that closed first could close a pooled connection as a query is sent on it.
+KEEPALIVE_S = 30.0
 
 
 def unreadable_request(status: int, exc: BaseException | None,
@@ -220,11 +228,12 @@ class JsonErrorsAppRunner(web.AppRunner):
     :data:`MAX_URL_BYTES` and headers up to :data:`MAX_HEADER_BYTES`, answers a request it
     cannot read in JSON (:class:`JsonErrorsRequestHandler`), and after answering a request
     whose body was not read (a 405, say) discards the rest of that body for at most
-    :data:`LINGER_S` before it closes the connection."""
+    :data:`LINGER_S` before it closes the connection, and closes a connection without a
+    complete request for :data:`KEEPALIVE_S`."""
 
     def __init__(self, app: web.Application, **kwargs: Any) -> None:
         super().__init__(app, max_line_size=MAX_URL_BYTES, max_field_size=MAX_HEADER_BYTES,
-                         lingering_time=LINGER_S, **kwargs)
+                         lingering_time=LINGER_S, keepalive_timeout=KEEPALIVE_S, **kwargs)
 
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()

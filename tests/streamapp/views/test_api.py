@@ -332,6 +332,33 @@ async def test_an_unread_huge_body_holds_its_connection_about_linger_s_not_10_s(
     assert b"error" in closed  # the JSON body, then EOF well before 10 s
 
 
+async def test_a_connection_that_never_finishes_its_request_head_is_closed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Slowloris: a connection that sends part of a request head and then nothing is closed
+    after KEEPALIVE_S (1 s here; 30 s by default, aiohttp's own 75 s before), while the
+    server goes on answering others."""
+    from streamapp.views import errors
+
+    monkeypatch.setattr(errors, "KEEPALIVE_S", 1.0)
+    port = free_port()
+    app = create_app(Settings(app_id="views-test", data_dir=tmp_path, backend="onnxruntime",
+                              web_port=port))
+    await app.web.start_server()
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # no blank line: never done
+        await writer.drain()
+        async with aiohttp.ClientSession() as session, session.get(
+            f"http://127.0.0.1:{port}/health"
+        ) as response:
+            assert response.status == 200
+        assert await asyncio.wait_for(reader.read(), 6) == b""  # EOF: closed, no answer
+        writer.close()
+    finally:
+        await app.web.stop_server()
+
+
 def test_a_failure_outside_the_views_is_a_json_500_too() -> None:
     # what aiohttp's request handler passes on when an exception escapes the app
     assert unreadable_request(500, RuntimeError("bug")).body() == {
