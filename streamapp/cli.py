@@ -915,7 +915,8 @@ def _worker(url: str | None) -> tuple[str, str]:
     return url if url is not None else default, _web_token(settings)
 
 
-def _ask(base: str, url: str, token: str, method: str = "GET") -> tuple[int, Any]:
+def _ask(base: str, url: str, token: str, method: str = "GET",
+         timeout_s: float | None = None) -> tuple[int, Any]:
     """A call to the worker at ``base`` (a URL :func:`_check_url` passed) with the web token;
     a worker that does not answer or refuses the token (401) is one error line.
 
@@ -929,7 +930,8 @@ def _ask(base: str, url: str, token: str, method: str = "GET") -> tuple[int, Any
     # a --url with user info, a query or a fragment was refused (_check_url): nothing secret
     shown = _shown_url(base) or "the --url given"
     try:
-        status, body = request_json(url, method, token=token)
+        status, body = (request_json(url, method, token=token) if timeout_s is None
+                        else request_json(url, method, timeout_s=timeout_s, token=token))
     except (OSError, ValueError, HTTPException) as exc:  # InvalidURL is an HTTPException
         raise _fail(f"the worker at {shown} did not answer ({exc}); is it running? give its "
                     "web URL with --url") from None
@@ -950,11 +952,14 @@ def models_list(ctx: typer.Context, url: WorkerUrl = None) -> None:
     Exits 1 when a worker does not answer, 2 when --url is not an http:// or https:// URL.
     """
     if ctx.invoked_subcommand is not None:
+        if url is not None:  # `models --url URL load ...`: the subcommand's default
+            _check_url(url)
+            ctx.obj = {"url": url}
         return
-    from streamapp.models.commands import format_listing
+    from streamapp.models.commands import LIST_TIMEOUT_S, format_listing
 
     base, token = _worker(url)
-    status, body = _ask(base, base.rstrip("/") + "/models", token)
+    status, body = _ask(base, base.rstrip("/") + "/models", token, timeout_s=LIST_TIMEOUT_S)
     if status != 200 or not isinstance(body, dict):
         message = body.get("message") if isinstance(body, dict) else None
         raise _fail(f"{_shown_url(base) or 'the worker'} answered {status}: {message or body}")
@@ -966,6 +971,7 @@ def models_list(ctx: typer.Context, url: WorkerUrl = None) -> None:
 
 @models_cli.command("load")
 def models_load(
+    ctx: typer.Context,
     name: Annotated[str, typer.Argument(help="The model, e.g. digits.")],
     version: Annotated[Optional[str], typer.Option(
         help="The version (default: the highest in the repository); an older one is the "
@@ -978,9 +984,11 @@ def models_load(
     samples, then switch between two batches. Exits 1 when it is refused (the old version
     keeps serving) and prints each worker's reason; exits 2 when --url is not an http:// or
     https:// URL. Sends the web token (STREAMAPP_WEB_TOKEN or STREAMAPP_WEB_TOKEN_FILE) when one
-    is set."""
+    is set. ``streamapp models --url URL load ...`` works as ``load ... --url URL``."""
     from streamapp.models.commands import format_load, load_url
 
+    if url is None and isinstance(ctx.obj, dict):
+        url = ctx.obj.get("url")
     base, token = _worker(url)
     status, body = _ask(base, load_url(base, name, version, keep), token, "POST")
     for line in format_load(status, body if isinstance(body, dict) else {}):

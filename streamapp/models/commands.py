@@ -9,10 +9,14 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
-__all__ = ["format_listing", "format_load", "request_json"]
+__all__ = ["COMMAND_TIMEOUT_S", "LIST_TIMEOUT_S", "format_listing", "format_load", "request_json"]
 
 #: Seconds the command waits for the group's answer (a load prepares on every worker first).
 COMMAND_TIMEOUT_S = 330.0
+#: Seconds ``streamapp models`` waits for a listing: the worker asks each worker of its
+#: group within ``CALL_TIMEOUT_S`` (10 s) at once, so a hung worker it asks costs 10 s, and a
+#: hung worker asked directly no more than this.
+LIST_TIMEOUT_S = 30.0
 
 
 def request_json(url: str, method: str = "GET", timeout_s: float = COMMAND_TIMEOUT_S,

@@ -313,10 +313,10 @@ class ModelSwapper:
                 "serving; load another version first (streamapp models load)", status=409)
         try:
             model = self._running().unload(name, version)
-        except KeyError as exc:
-            raise ModelSwapError("version_not_found", f"cannot unload {name} v{version}: "
-                                 f"{exc.args[0] if exc.args else 'not loaded'}",
-                                 status=404) from None
+        except KeyError:
+            loaded = ", ".join(sorted(self._running().loaded.get(name, {}))) or "none"
+            raise ModelSwapError("version_not_found", f"cannot unload {name} v{version}: it is "
+                                 f"not loaded (loaded: {loaded})", status=404) from None
         self._retire(model, {})
 
     def _retire(self, model: LoadedModel, entry: dict[str, Any]) -> None:

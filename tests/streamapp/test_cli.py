@@ -433,3 +433,45 @@ def test_a_refused_load_says_each_workers_reason_once() -> None:
         f"  w1: refused incompatible_version: {why}",
         "  w2: prepared (was 2, onnxruntime, 3 sample(s) checked)"]
     assert sum(line.count(why) for line in lines) == 1
+
+
+def test_the_models_groups_url_is_the_loads_and_is_checked_too(
+    runner: CliRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from streamapp.models import commands
+
+    asked: list[tuple[str, str]] = []
+
+    def answer(url: str, method: str = "GET", **kwargs: object) -> tuple[int, object]:
+        asked.append((url, method))
+        return 200, {"model": "digits", "version": "2", "workers": []}
+
+    monkeypatch.setattr(commands, "request_json", answer)
+    result = runner.invoke(cli, ["models", "--url", "http://w2:6067", "load", "digits",
+                                 "--version", "2"], prog_name="streamapp")
+    assert result.exit_code == 0, result.output
+    assert [(u.split("?")[0], m) for u, m in asked] == [
+        ("http://w2:6067/models/digits/load", "POST")]
+
+    refused = runner.invoke(cli, ["models", "--url", "http://u:s3cret@w2:6067", "load",
+                                  "digits"], prog_name="streamapp")
+    assert refused.exit_code == 2 and "s3cret" not in refused.output
+    assert len(asked) == 1
+
+
+def test_a_listing_waits_list_timeout_s_not_a_loads_time(
+    runner: CliRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from streamapp.models import commands
+
+    waits: list[object] = []
+
+    def answer(url: str, method: str = "GET", **kwargs: object) -> tuple[int, object]:
+        waits.append(kwargs.get("timeout_s"))
+        return 200, {"workers": []}
+
+    monkeypatch.setattr(commands, "request_json", answer)
+    result = runner.invoke(cli, ["models", "--url", "http://w2:6067"], prog_name="streamapp")
+
+    assert result.exit_code == 0, result.output
+    assert waits == [commands.LIST_TIMEOUT_S] and commands.LIST_TIMEOUT_S < 60

@@ -334,5 +334,6 @@ async def test_reloading_a_kept_version_closes_the_kept_copy(repo: Path) -> None
         with pytest.raises(ModelSwapError) as gone:
             await swapper.unload("digits", "2")  # unloaded above
         assert (gone.value.reason, gone.value.status) == ("version_not_found", 404)
+        assert str(gone.value) == "cannot unload digits v2: it is not loaded (loaded: 1)"
     finally:
         await _stop(pipeline, swapper)
