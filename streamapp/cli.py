@@ -890,9 +890,10 @@ def _check_url(url: str) -> None:
                     f"{_shown_url(url)!r}): the worker takes its web token from "
                     "STREAMAPP_WEB_TOKEN (or STREAMAPP_WEB_TOKEN_FILE) set here", 2)
     if parts.query or parts.fragment or url.rstrip().endswith(("?", "#")):
+        hidden = ("?…" if "?" in url else "") + ("#…" if "#" in url else "")  # shown, not said
         raise _fail("--url must be the worker's base URL, without a query or fragment, such "
-                    f"as http://localhost:6066 (got {_shown_url(url)!r}); the web token goes "
-                    "in STREAMAPP_WEB_TOKEN", 2)
+                    f"as http://localhost:6066 (got {(_shown_url(url) or '') + hidden!r}); the "
+                    "web token goes in STREAMAPP_WEB_TOKEN", 2)
 
 
 def _worker(url: str | None) -> tuple[str, str]:
@@ -924,6 +925,7 @@ def _ask(base: str, url: str, token: str, method: str = "GET",
         typer.Exit: 1 when the worker does not answer, answers with no JSON, or answers 401.
     """
     from http.client import HTTPException
+    from json import JSONDecodeError
 
     from streamapp.models.commands import request_json
 
@@ -932,9 +934,13 @@ def _ask(base: str, url: str, token: str, method: str = "GET",
     try:
         status, body = (request_json(url, method, token=token) if timeout_s is None
                         else request_json(url, method, timeout_s=timeout_s, token=token))
+    except JSONDecodeError as exc:
+        raise _fail(f"{shown} answered, but not with JSON ({exc}); is it a streamapp worker's "
+                    "web port (STREAMAPP_WEB_PORT)?") from None
     except (OSError, ValueError, HTTPException) as exc:  # InvalidURL is an HTTPException
-        raise _fail(f"the worker at {shown} did not answer ({exc}); is it running? give its "
-                    "web URL with --url") from None
+        problem = " ".join(str(exc).split())  # one line, whatever a server sent
+        raise _fail(f"the worker at {shown} did not answer ({problem}); is it running? give "
+                    "its web URL with --url") from None
     if status == 401:
         message = body.get("message") if isinstance(body, dict) else None
         sent = ("the STREAMAPP_WEB_TOKEN (or STREAMAPP_WEB_TOKEN_FILE) set here is not the "
@@ -989,6 +995,9 @@ def models_load(
 
     if url is None and isinstance(ctx.obj, dict):
         url = ctx.obj.get("url")
+    if version is not None and not version.strip():
+        raise _fail("--version must name a version, e.g. --version 2 (leave it out for the "
+                    "highest)", 2)
     base, token = _worker(url)
     status, body = _ask(base, load_url(base, name, version, keep), token, "POST")
     for line in format_load(status, body if isinstance(body, dict) else {}):

@@ -258,7 +258,8 @@ def _contract_problems(check: ModelCheck, config: ModelConfig) -> list[str]:
             return []
         other = repository.get(check.model, reference)
         marker = root / check.model / CURRENT_FILE
-        current = marker.is_file() and marker.read_text().strip() == reference
+        written = marker.read_text().strip() if marker.is_file() else ""
+        current = bool(written) and normal_version(written) == reference  # "01" names 1
     except (StreamAppError, OSError):
         return []
     problem = contract_problem(config, other, " (current)" if current else " (the highest)")

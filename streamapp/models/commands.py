@@ -90,7 +90,10 @@ def format_load(status: int, body: dict[str, Any]) -> list[str]:
             lines.append(f"  {who}: {worker['status']} {worker.get('reason')}: "
                          f"{worker.get('message')}")
         else:
-            lines.append(f"  {who}: {worker.get('status', 'prepared')} (was "
-                         f"{worker.get('previous')}, {worker.get('engine')}, "
-                         f"{worker.get('samples_checked', 0)} sample(s) checked)")
+            # a worker that only prepared (another refused) has switched from nothing yet
+            was = ("" if worker.get("previous") is None
+                   else f"was {worker.get('previous')}, ")
+            lines.append(f"  {who}: {worker.get('status', 'prepared')} ({was}"
+                         f"{worker.get('engine')}, {worker.get('samples_checked', 0)} "
+                         "sample(s) checked)")
     return lines

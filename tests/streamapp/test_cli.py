@@ -3,6 +3,7 @@ item 6)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -330,11 +331,14 @@ def test_a_worker_that_does_not_answer_is_one_line(
     # with nothing listed, exit 0
     ("http://127.0.0.1:6066/?token=s3cret", "error: --url must be the worker's base URL, "
      "without a query or fragment, such as http://localhost:6066 (got "
-     "'http://127.0.0.1:6066/'); the web token goes in STREAMAPP_WEB_TOKEN"),
+     "'http://127.0.0.1:6066/?…'); the web token goes in STREAMAPP_WEB_TOKEN"),
     ("http://127.0.0.1:6066#frag", "error: --url must be the worker's base URL, without a "
-     "query or fragment, such as http://localhost:6066 (got 'http://127.0.0.1:6066'); the web "
+     "query or fragment, such as http://localhost:6066 (got 'http://127.0.0.1:6066#…'); the "
+     "web token goes in STREAMAPP_WEB_TOKEN"),
+    ("http://127.0.0.1:6066?", "error: --url must be the worker's base URL, without a query "
+     "or fragment, such as http://localhost:6066 (got 'http://127.0.0.1:6066?…'); the web "
      "token goes in STREAMAPP_WEB_TOKEN"),
-], ids=["user-info", "user-info-and-query", "query", "fragment"])
+], ids=["user-info", "user-info-and-query", "query", "fragment", "bare-question-mark"])
 def test_a_url_with_user_info_or_a_query_is_one_usage_line_without_its_secrets(
     runner: CliRunner, monkeypatch: pytest.MonkeyPatch, command: list[str], url: str,
     line: str,
@@ -422,7 +426,7 @@ def test_a_refused_load_says_each_workers_reason_once() -> None:
                        f"keeps serving; w1: {why}",
             "workers": [{"worker": "w1", "status": "refused", "reason": "incompatible_version",
                          "message": why},
-                        {"worker": "w2", "status": "prepared", "previous": "2",
+                        {"worker": "w2", "status": "prepared",
                          "engine": "onnxruntime", "samples_checked": 3}]}
 
     lines = format_load(409, body)
@@ -431,7 +435,7 @@ def test_a_refused_load_says_each_workers_reason_once() -> None:
         "refused (incompatible_version, HTTP 409): version 1 of digits is refused by 1 of 2 "
         "worker(s), the old version keeps serving",
         f"  w1: refused incompatible_version: {why}",
-        "  w2: prepared (was 2, onnxruntime, 3 sample(s) checked)"]
+        "  w2: prepared (onnxruntime, 3 sample(s) checked)"]
     assert sum(line.count(why) for line in lines) == 1
 
 
@@ -475,3 +479,41 @@ def test_a_listing_waits_list_timeout_s_not_a_loads_time(
 
     assert result.exit_code == 0, result.output
     assert waits == [commands.LIST_TIMEOUT_S] and commands.LIST_TIMEOUT_S < 60
+
+
+@pytest.mark.parametrize(("error", "line"), [
+    (json.JSONDecodeError("Expecting value", "<html>", 0),
+     "error: http://host:6066 answered, but not with JSON (Expecting value: line 1 column 1 "
+     "(char 0)); is it a streamapp worker's web port (STREAMAPP_WEB_PORT)?"),
+    (ConnectionResetError("garbage\nmore"),
+     "error: the worker at http://host:6066 did not answer (garbage more); is it running? "
+     "give its web URL with --url"),
+], ids=["not-json", "two-lines"])
+def test_an_answer_that_is_not_a_workers_is_one_line_that_says_so(
+    runner: CliRunner, monkeypatch: pytest.MonkeyPatch, error: Exception, line: str
+) -> None:
+    from streamapp.models import commands
+
+    def fail(*args: object, **kwargs: object) -> None:
+        raise error
+
+    monkeypatch.setattr(commands, "request_json", fail)
+    result = runner.invoke(cli, ["models", "--url", "http://host:6066"], prog_name="streamapp")
+
+    assert result.exit_code == 1
+    assert result.output.splitlines() == [line]
+
+
+def test_an_empty_version_is_a_usage_line_not_the_highest(
+    runner: CliRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from streamapp.models import commands
+
+    asked: list[object] = []
+    monkeypatch.setattr(commands, "request_json", lambda *args, **kwargs: asked.append(args))
+    result = runner.invoke(cli, ["models", "load", "digits", "--version", " "],
+                           prog_name="streamapp")
+
+    assert (result.exit_code, asked) == (2, [])
+    assert result.output.splitlines() == [
+        "error: --version must name a version, e.g. --version 2 (leave it out for the highest)"]

@@ -176,13 +176,14 @@ def test_models_check_reports_a_version_with_another_request_contract(
         "  v2     ok, 3 sample(s) answered as declared",
         f"  v1     DIFFERS: {problem}",
         "  a worker starts on digits v2"]
-    # `current` names the version the others are compared with
-    (root / "digits" / "current").write_text("1\n")
-    out = runner.invoke(cli, ["models", "check", str(root), "--backend", "onnxruntime"])
-    assert out.exit_code == 1, out.output
-    assert out.stderr.startswith(
-        f"error: {root / 'digits' / '2'}: version 2 accepts other requests than version 1 "
-        "(current): request.shape [8, 8] ≠ [64]; ")
+    # `current` names the version the others are compared with ("01" as a folder would)
+    for written in ("1\n", "01"):
+        (root / "digits" / "current").write_text(written)
+        out = runner.invoke(cli, ["models", "check", str(root), "--backend", "onnxruntime"])
+        assert out.exit_code == 1, out.output
+        assert out.stderr.startswith(
+            f"error: {root / 'digits' / '2'}: version 2 accepts other requests than version 1 "
+            "(current): request.shape [8, 8] ≠ [64]; ")
 
 
 def test_models_check_says_a_worker_starts_on_a_version_with_another_contract(
