@@ -36,7 +36,6 @@ from streamapp.agents.pipeline import LoadedModel
 from streamapp.exceptions import ModelSwapError, StreamAppError
 from streamapp.models.metadata import read_metadata
 from streamapp.models.repository import (
-    CURRENT_FILE,
     ModelConfig,
     ModelRepository,
     normal_version,
@@ -257,9 +256,8 @@ def _contract_problems(check: ModelCheck, config: ModelConfig) -> list[str]:
         if reference == config.version or len(repository.versions(check.model)) < 2:
             return []
         other = repository.get(check.model, reference)
-        marker = root / check.model / CURRENT_FILE
-        written = marker.read_text().strip() if marker.is_file() else ""
-        current = bool(written) and normal_version(written) == reference  # "01" names 1
+        written = repository.current_marker(check.model)
+        current = bool(written) and normal_version(written or "") == reference  # "01" is 1
     except (StreamAppError, OSError):
         return []
     problem = contract_problem(config, other, " (current)" if current else " (the highest)")

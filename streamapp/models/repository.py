@@ -589,6 +589,13 @@ class ModelRepository:
             )
         return dict(sorted(found.items(), key=lambda kv: version_key(kv[0])))
 
+    def current_marker(self, name: str) -> str | None:
+        """What ``NAME/current`` says, stripped (``""``: empty), or None without one."""
+        try:
+            return (self.root / name / CURRENT_FILE).read_text().strip()
+        except OSError:
+            return None  # no marker: the highest version, as documented
+
     def default_version(self, name: str, *, warn: bool = True) -> str:
         """The version a worker serves at start: ``NAME/current`` when it names one that
         exists, else the highest (with a warning, unless ``warn`` is false, when ``current``
@@ -599,10 +606,7 @@ class ModelRepository:
         """
         versions = self.versions(name)
         marker = self.root / name / CURRENT_FILE
-        try:
-            written: str | None = marker.read_text().strip()
-        except OSError:
-            written = None  # no marker: the highest version, as documented
+        written = self.current_marker(name)
         chosen = normal_version(written) if written else ""  # "02" is version 2, as a folder
         if chosen in versions:
             return chosen

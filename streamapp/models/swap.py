@@ -68,8 +68,11 @@ PREPARED_TTL_S = 120.0
 #: Seconds between two looks at whether a swapped-out version's last batch has finished.
 _IDLE_POLL_S = 0.005
 
-_CONTRACT_FIELDS = ("input_name", "input_dtype", "item_shape", "request_shape", "request_dtypes",
-                    "scale", "offset", "allow_non_finite", "value_range", "image")
+#: What a swap needs the same beyond the request contract (verify.contract_differences, which
+#: compares the rest): the engine input and the pre-processing a request gets when it is read
+#: (``image`` whole: its resample and background too), and the dtypes in their order.
+_CONTRACT_FIELDS = ("input_name", "input_dtype", "item_shape", "request_dtypes", "scale",
+                    "offset", "image")
 
 
 def contract_difference(current: ModelConfig, candidate: ModelConfig) -> str | None:
