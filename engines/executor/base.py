@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from engines.base import Engine, TensorSpec
+from engines.base import Engine, TensorSpec, item_fits, put_item
 from engines.exceptions import EngineClosedError, InputSpecError
 
 __all__ = ["Executor", "Item", "check_batch", "pack_items"]
@@ -46,7 +46,8 @@ def pack_items(
     """Stack the ``spec.name`` array of every item into one batch array.
 
     Args:
-        items: Requests' inputs; each ``items[i][spec.name]`` is ``spec.dtype[*spec.item_shape]``.
+        items: Requests' inputs; each ``items[i][spec.name]`` is ``spec.dtype[*spec.item_shape]``
+            (or float16 for a wider float input, widened exactly: :func:`engines.base.put_item`).
         spec: The engine input to pack.
         out: Optional preallocated buffer ``spec.dtype[>= len(items), *item_shape]`` (e.g. a
             pinned staging buffer); the first ``len(items)`` rows are written and that view is
@@ -73,12 +74,12 @@ def pack_items(
             array = item[spec.name]
         except KeyError:
             raise InputSpecError(f"item {i} has no input {spec.name!r}") from None
-        if array.shape != item_shape or array.dtype != spec.dtype:
+        if not item_fits(spec, array):
             raise InputSpecError(
                 f"item {i} input {spec.name!r} is {array.dtype}{list(array.shape)}, the engine "
                 f"expects {spec.dtype}{list(item_shape)}"
             )
-        view[i] = array
+        put_item(view[i], array)
     return view
 
 

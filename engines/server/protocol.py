@@ -32,7 +32,7 @@ import msgpack
 import numpy as np
 
 from engines import exceptions as errors
-from engines.base import TensorSpec
+from engines.base import TensorSpec, item_fits, put_item
 from engines.exceptions import EngineError, EngineRuntimeError, InputSpecError
 from engines.preprocess.base import EncodedImage
 from engines.preprocess.jpeg import JpegInfo
@@ -141,8 +141,7 @@ def slot_bytes(inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec],
 
 
 def _check_array(i: int, spec: TensorSpec, value: Any) -> np.ndarray:
-    if not isinstance(value, np.ndarray) or value.shape != spec.item_shape \
-            or value.dtype != spec.dtype:
+    if not isinstance(value, np.ndarray) or not item_fits(spec, value):
         got = (f"{value.dtype}{list(value.shape)}" if isinstance(value, np.ndarray)
                else type(value).__name__)
         raise InputSpecError(f"item {i} input {spec.name!r} is {got}, the engine expects "
@@ -155,7 +154,9 @@ def write_items(items: Sequence[Mapping[str, Any]], inputs: Sequence[TensorSpec]
     """Lay ``items`` out for a ``run`` request (module docstring).
 
     Args:
-        items: Input name → ``spec.dtype[*item_shape]`` array, or an :class:`EncodedImage`.
+        items: Input name → ``spec.dtype[*item_shape]`` array (float16 for a wider float
+            input is widened as it is written: :func:`engines.base.put_item`), or an
+            :class:`EncodedImage`.
         inputs: The engine's input specs.
         buffer: The request's shared-memory slot, or None to lay the payload out inline.
 
@@ -193,7 +194,7 @@ def write_items(items: Sequence[Mapping[str, Any]], inputs: Sequence[TensorSpec]
         if block:
             out = np.ndarray((len(values), *spec.item_shape), spec.dtype, target, offset)
             for i, v in enumerate(values):
-                out[i] = v
+                put_item(out[i], v)
             layout.append({"name": spec.name, "block": [offset, len(values)]})
             offset += _align(out.nbytes)
             continue
@@ -205,8 +206,8 @@ def write_items(items: Sequence[Mapping[str, Any]], inputs: Sequence[TensorSpec]
                 rows.append([_ROW_JPEG, offset, n, list(astuple(v.info))])
             else:
                 array = _check_array(i, spec, v)
-                n = array.nbytes
-                np.ndarray(spec.item_shape, spec.dtype, target, offset)[...] = array
+                n = item_bytes(spec)
+                put_item(np.ndarray(spec.item_shape, spec.dtype, target, offset), array)
                 rows.append([_ROW_ARRAY, offset, n])
             offset += _align(n)
         layout.append({"name": spec.name, "rows": rows})

@@ -14,15 +14,21 @@ from typing import Any
 import numpy as np
 import pytest
 
+from engines.base import put_item, widen_half
 from streamapp.codecs import ALLOWED_DTYPES
 from streamapp.exceptions import InvalidRequestError
 from streamapp.models import ModelConfig, ModelRepository
+from streamapp.models.repository import _half_within
 from streamapp.records import InferenceRequest, TensorPayload
 
 
 @pytest.fixture(scope="module")
 def digits() -> ModelConfig:
     return ModelRepository().get("digits")
+
+
+_HALF_PLAN = dataclasses.replace(ModelRepository().get("digits"), request_dtypes=frozenset(
+    ALLOWED_DTYPES))._tensor_plans["float16"]
 
 
 def variants(digits: ModelConfig) -> Iterator[tuple[str, ModelConfig]]:
@@ -71,6 +77,13 @@ def tensors(dtype: str) -> Iterator[np.ndarray]:
         yield (ramp / 16).astype(dt)
 
 
+def packed(config: ModelConfig, item: np.ndarray) -> np.ndarray:
+    """The row an executor packs ``item`` into (``pack_items``, the shared executor's slot)."""
+    row = np.empty(config.item_shape, config.input_dtype)
+    put_item(row, item)
+    return row
+
+
 def answer(config: ModelConfig, request: InferenceRequest) -> np.ndarray | tuple[str, str]:
     try:
         return config.preprocess(request)
@@ -93,8 +106,12 @@ def test_the_quick_path_answers_as_the_full_checks(
             assert got == want, what
             continue
         assert isinstance(got, np.ndarray), what
+        if config._tensor_plans[tensor.dtype.name].half_as_is:
+            # the request's own float16 bytes: the executor widens them as it packs
+            assert got.dtype == np.float16 and not got.flags.writeable, what
+            got = packed(config, got)
         assert got.dtype == want.dtype and got.shape == want.shape == config.item_shape, what
-        assert got.flags.writeable == want.flags.writeable, what
+        assert got.flags.writeable == want.flags.writeable or tensor.dtype == np.float16, what
         np.testing.assert_array_equal(got, want, err_msg=what, strict=True)
         assert np.array_equal(np.signbit(got), np.signbit(want)), what
         taken += 1
@@ -118,6 +135,46 @@ def test_the_digits_workloads_take_the_quick_path(
     assert quick is not None
     np.testing.assert_array_equal(
         quick, (pixels.astype(np.float32) * np.float32(0.0625)).reshape(1, 8, 8), strict=True)
+
+
+def test_a_gateways_float16_tensor_reaches_the_executor_as_its_own_bytes(
+    digits: ModelConfig,
+) -> None:
+    # ResNet-50's case: float16 requests, a float32 input, no scale or offset, a value range
+    config = dataclasses.replace(digits, request_dtypes=frozenset(ALLOWED_DTYPES), scale=1.0,
+                                 offset=0.0, value_range=(-2.12, 2.65))
+    values = np.linspace(-2.12, 2.65, 64).astype(np.float16)
+    data = values.tobytes()
+    item = config.preprocess(_request(values.reshape(8, 8)))
+    assert item.dtype == np.float16 and item.shape == (1, 8, 8)
+    assert item.tobytes() == data
+    np.testing.assert_array_equal(packed(config, item), values.astype(np.float32).reshape(1, 8, 8),
+                                  strict=True)
+    # one value past the range: the full checks answer, with its index
+    values[37] = np.float16(2.66)  # 2.6601..., above 2.65 rounded to float16 (2.6504...)
+    with pytest.raises(InvalidRequestError) as raised:
+        config.preprocess(_request(values.reshape(8, 8)))
+    assert raised.value.reason == "out_of_range" and "[4, 5]" in str(raised.value)
+
+
+@pytest.mark.parametrize("bounds", [(-2.12, 2.65), (0.5, 3.0), (-3.0, -0.5), (0.0, 0.0),
+                                    (-1e-7, 1e-7), (-65504.0, 65504.0)])
+def test_half_within_is_the_float_comparison(bounds: tuple[float, float]) -> None:
+    low, high = float(np.float16(bounds[0])), float(np.float16(bounds[1]))
+    plan = dataclasses.replace(_HALF_PLAN, half_low=low, half_high=high)
+    rng = np.random.default_rng(7)
+    every = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
+    inside = every[np.isfinite(every) & (every >= low) & (every <= high)]
+    arrays = [every, inside, every[:1], every[-1:], np.float16([-0.0, 0.0])]
+    arrays += [rng.choice(every, 50) for _ in range(2000)]
+    if inside.size:
+        arrays += [rng.choice(inside, 50) for _ in range(500)]
+        arrays += [np.append(rng.choice(inside, 20), rng.choice(every, 1)) for _ in range(2000)]
+    for values in arrays:
+        with np.errstate(invalid="ignore"):
+            want = bool(np.isfinite(values).all() and (values >= low).all()
+                        and (values <= high).all())
+        assert _half_within(values, plan) == want, values
 
 
 @pytest.mark.parametrize(("change", "dtype", "quiet"), [
@@ -155,3 +212,16 @@ def _request(tensor: np.ndarray) -> InferenceRequest:
         request_id="r", device_id="d", seq=0, ts=1_796_000_000.0, model="digits",
         tensor=TensorPayload(little.dtype.name, tuple(tensor.shape), little.tobytes()),
     )
+
+
+@pytest.mark.parametrize("out", ["float32", "float64"])
+def test_widen_half_is_numpys_cast_bit_for_bit(out: str) -> None:
+    # every float16 bit pattern: zeros of both signs, subnormals, ±inf, NaN payloads
+    codes = np.arange(1 << 16, dtype=np.uint16).view(np.float16).reshape(256, 256)
+    with np.errstate(all="ignore"):
+        expected = codes.astype(out)
+    got = widen_half(codes, np.dtype(out))
+    uint = np.dtype(f"uint{np.dtype(out).itemsize * 8}")
+    assert got.dtype == np.dtype(out) and got.shape == (256, 256)
+    assert got.flags.c_contiguous and got.flags.writeable
+    np.testing.assert_array_equal(got.view(uint), expected.view(uint))

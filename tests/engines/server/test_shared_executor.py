@@ -105,6 +105,36 @@ async def test_predictions_equal_the_in_process_executor(
     await local.close()
 
 
+async def test_float16_items_are_widened_exactly_where_they_are_packed(
+    engine: Engine, frames: np.ndarray, tmp_path: Path,
+) -> None:
+    # a gateway's float16 tensors: the digits' pixel / 16 values are exact in float16
+    halves = frames.astype(np.float16)
+    local = ThreadExecutor(engine, max_inflight=1)
+    want = await local.run(_items(frames[:16]))
+    got_local = await local.run(_items(halves[:16]))
+    got_mixed = await local.run([*_items(frames[:8]), *_items(halves[8:16])])
+    with serving({"digits": ThreadExecutor(engine)}, tmp_path / "s.sock",
+                 batch_delay_ms=0.0):
+        client = await _client(tmp_path / "s.sock")
+        inline = await _client(tmp_path / "s.sock", shm=False)
+        try:
+            got_shared = await client.run(_items(halves[:16]))
+            got_inline = await inline.run(_items(halves[:16]))
+        finally:
+            await client.close()
+            await inline.close()
+        with pytest.raises(InputSpecError, match="item 3 input 'input' is int8"):
+            await local.run([*_items(frames[:3]), {"input": frames[3].astype(np.int8)}])
+    for got in (got_local, got_mixed, got_shared, got_inline):
+        np.testing.assert_array_equal(got["probs"], want["probs"])
+    # outputs are the caller's: the next batch into the same staging buffer leaves them alone
+    before = got_local["probs"].copy()
+    await local.run(_items(frames[16:32]))
+    np.testing.assert_array_equal(got_local["probs"], before)
+    await local.close()
+
+
 async def test_two_clients_batches_of_8_reach_the_engine_as_one_batch_of_16(
     engine: Engine, frames: np.ndarray, tmp_path: Path,
 ) -> None:
