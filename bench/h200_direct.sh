@@ -22,6 +22,8 @@
 # jpeg:    ResNet-50 on camera JPEGs (nvJPEG), N = 1, 8, 12, 16 workers of one group started
 #          by `streamapp worker --processes N --gpu-executor shared`, the engine alone and
 #          the aiokafka relay at the same N;
+# tenth:   ResNet-50 tensors N = 16, py-spy at N = 8, digits p99 at 70 % with 16 KiB fetches;
+# tenth-b: camera JPEGs N = 16, then bench.fetch_cost at 5,500/s (tenth session);
 # groups:  digits and JPEGs at N = 8, 16 on a broker with Kafka's default initial rebalance
 #          delay (3 s), then N = 16 with the test brokers' 0 (BENCH_KAFKA_PROPS).
 # Every step has its own timeout, so the call ends inside the device tool's limit. Writes
@@ -165,6 +167,26 @@ elif [ "$PART" = fetch ] || [ "$PART" = fetch64 ]; then
       --no-scaleout --budget-s 145 --out "$W/digits-p99-fetch$bytes" \
       --logs "$W/digits-p99-fetch$bytes/logs"
   done
+elif [ "$PART" = tenth ]; then
+  # Tenth session, after float16 tensors travel as their own bytes (4c0b7cf): the ResNet-50
+  # tensors at N = 16 against the engine and the relays, py-spy on a worker and the server
+  # at N = 8, then digits p99 at 70 % with fetches that wait for 16 KiB / 3 ms (~8 min).
+  scaleout tensors 165 tensors "group.initial.rebalance.delay.ms=3000" \
+    --only resnet50-tensor --ns 16 --ceilings aiokafka --budget-s 155
+  scaleout tprofile 140 tprofile "group.initial.rebalance.delay.ms=3000" \
+    --only resnet50-tensor --ns 8 --ceilings "" --profile-procs w0,gpu-server0 --profile-s 8 \
+    --budget-s 125
+  step digits-p99-fetch16384 170 env STREAMAPP_INTAKE=direct STREAMAPP_FETCH_MIN_BYTES=16384 \
+    STREAMAPP_FETCH_MAX_WAIT_MS=3 BENCH_SKIP=anchor,exactly_once,policy BENCH_OL_S=8 \
+    python3 -m bench run --profile gpu --broker kafka --only digits --no-backlog \
+    --no-scaleout --budget-s 145 --out "$W/digits-p99-fetch16384" \
+    --logs "$W/digits-p99-fetch16384/logs"
+elif [ "$PART" = tenth-b ]; then
+  # Tenth session, second call: camera JPEGs at N = 16 (GPU busy was 79.9 %), then the plain
+  # consumer's cost by fetch size at 5,500/s (~6.5 min).
+  scaleout jpeg16 300 jpeg16 "group.initial.rebalance.delay.ms=3000" \
+    --only resnet50-jpeg --ns 16 --ceilings aiokafka --budget-s 280
+  step fetch-cost 80 python3 -m bench.fetch_cost --rate 5500 --seconds 8
 elif [ "$PART" = jpeg16 ]; then
   # Eighth session, the device time left after paced-short: camera JPEGs at N = 16 only,
   # against the decode + infer ceiling and the small-result relays (GPU busy: 78 % before).
@@ -172,7 +194,7 @@ elif [ "$PART" = jpeg16 ]; then
     --only resnet50-jpeg --ns 16 --ceilings aiokafka --budget-s 280
 else
   echo "unknown part $PART (hotpath, jpeg, groups, groups2, profile, jpeg2, jpeg3, tensors," \
-    "tprofile, paced, paced-short, jpeg16, p99, fetch or fetch64)" >&2
+    "tprofile, paced, paced-short, jpeg16, p99, fetch, fetch64, tenth or tenth-b)" >&2
   exit 2
 fi
 tar czf "$OUT/$PART.tgz" -C "$W" . 2>/dev/null
