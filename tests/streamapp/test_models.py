@@ -13,6 +13,7 @@ from sklearn.datasets import load_digits
 
 from streamapp.exceptions import ConfigError, InvalidRequestError, ModelNotFoundError
 from streamapp.models import BUNDLED_MODELS_DIR, ModelConfig, ModelRepository
+from streamapp.models.repository import _top_indices
 from streamapp.records import InferenceRequest, TensorPayload
 
 
@@ -193,6 +194,21 @@ def test_top_k_many_is_top_k_of_each_row(digits: ModelConfig, k: int, rows: int)
         assert [t["score"] for t in got] == pytest.approx([t["score"] for t in want],
                                                            nan_ok=True)
         assert all(type(t["score"]) is float and type(t["label"]) is str for t in got)
+
+
+@pytest.mark.parametrize("k", [1, 5, 999])
+def test_the_top_k_of_1000_classes_is_the_full_sorts(k: int) -> None:
+    rng = np.random.default_rng(k)
+    probs = rng.random((300, 1000)).astype(np.float32)
+    probs[:100] = np.round(probs[:100], 2)  # many ties, some across the k-th place
+    probs[100, :] = 0.5  # all tied
+    probs[101, 7] = np.nan
+    probs[102, :] = np.nan
+    probs[103, ::2] = -0.0
+    probs[103, 1::2] = 0.0
+    probs[104, 10:] = 0.0
+    want = np.argsort(-probs, axis=1, kind="stable")[:, :k]
+    np.testing.assert_array_equal(_top_indices(probs, k), want)
 
 
 def _model_with_policy(tmp_path: Path, policy: Any) -> ModelConfig:
