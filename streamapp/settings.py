@@ -1085,11 +1085,25 @@ def load_settings(**overrides: Any) -> Settings:
     except ValidationError as exc:
         problems = "; ".join(
             f"{'.'.join(str(p) for p in err['loc']) or 'settings'}: {err['msg']}"
+            + _echoed_input(err)
             for err in exc.errors()
         )
         raise ConfigError(
             f"invalid settings ({problems}); environment variables use the prefix STREAMAPP_"
         ) from exc
+
+
+def _echoed_input(err: Any) -> str:
+    """``, got '1e30'`` for a value that did not parse as its number or flag type (pydantic
+    says only "unable to parse string as an integer"), cut after :data:`_MAX_SHOWN_CHARS`
+    characters; nothing for other errors, whose messages say what was wrong (and a refused
+    secret is never echoed: strings always parse)."""
+    if not str(err.get("type", "")).endswith("_parsing") or not isinstance(err.get("input"), str):
+        return ""
+    text = err["input"]
+    if len(text) > _MAX_SHOWN_CHARS:
+        text = f"{text[:_MAX_SHOWN_CHARS - 1]}…"
+    return f", got {text!r}"
 
 
 def settings_reference() -> str:

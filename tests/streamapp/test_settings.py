@@ -411,6 +411,25 @@ def test_a_refused_value_is_echoed_compactly_whatever_its_size(
     assert len(str(info.value)) < len(said) + 100  # one short line, whatever the value
 
 
+@pytest.mark.parametrize(("name", "value", "said"), [
+    ("max_batch_size", "1e30", "max_batch_size: Input should be a valid integer, unable to "
+     "parse string as an integer, got '1e30'"),
+    ("max_batch_size", "nan", "got 'nan'"),
+    ("max_batch_delay_ms", "5ms", "max_batch_delay_ms: Input should be a valid number, unable "
+     "to parse string as a number, got '5ms'"),
+    ("max_retries", "x" * 60, f"got '{'x' * 39}…'"),
+])
+def test_a_value_that_does_not_parse_is_echoed(
+    monkeypatch: pytest.MonkeyPatch, name: str, value: str, said: str
+) -> None:
+    monkeypatch.setenv(f"STREAMAPP_{name.upper()}", value)
+
+    with pytest.raises(ConfigError) as info:
+        load_settings()
+
+    assert said in str(info.value)
+
+
 def test_an_int_too_long_to_print_is_refused_with_its_size() -> None:
     with pytest.raises(ConfigError) as info:
         load_settings(max_retries=10**5000)  # beyond sys.get_int_max_str_digits()
