@@ -24,6 +24,8 @@
 #          the aiokafka relay at the same N;
 # tenth:   ResNet-50 tensors N = 16, py-spy at N = 8, digits p99 at 70 % with 16 KiB fetches;
 # tenth-b: camera JPEGs N = 16, then bench.fetch_cost at 5,500/s (tenth session);
+# tenth-ab: tensors N = 16 with .ab/before and this tree in one call, then the paced worker
+#          under py-spy with 16 KiB fetches (tenth session);
 # groups:  digits and JPEGs at N = 8, 16 on a broker with Kafka's default initial rebalance
 #          delay (3 s), then N = 16 with the test brokers' 0 (BENCH_KAFKA_PROPS).
 # Every step has its own timeout, so the call ends inside the device tool's limit. Writes
@@ -187,6 +189,25 @@ elif [ "$PART" = tenth-b ]; then
   scaleout jpeg16 300 jpeg16 "group.initial.rebalance.delay.ms=3000" \
     --only resnet50-jpeg --ns 16 --ceilings aiokafka --budget-s 280
   step fetch-cost 80 python3 -m bench.fetch_cost --rate 5500 --seconds 8
+elif [ "$PART" = tenth-ab ]; then
+  # Tenth session: the ResNet-50 tensors at N = 16 with the tree before the float16 change
+  # (.ab/before: `git archive 8fe5113 streamapp engines bench scripts pyproject.toml`,
+  # carried with .kafka) and with this tree, in one call: after, before, after; then the
+  # paced worker under py-spy with 16 KiB / 3 ms fetches (~8 min).
+  [ -d .ab/before/streamapp ] || { echo "no .ab/before tree (carry it)" >&2; exit 2; }
+  for t in after before after2; do
+    if [ "$t" = before ]; then
+      (cd .ab/before && PYTHONPATH=/tmp/site:$PWD scaleout "tensors-$t" 130 "tensors-$t" \
+        "group.initial.rebalance.delay.ms=3000" --only resnet50-tensor --ns 16 --ceilings "" \
+        --budget-s 120)
+    else
+      scaleout "tensors-$t" 130 "tensors-$t" "group.initial.rebalance.delay.ms=3000" \
+        --only resnet50-tensor --ns 16 --ceilings "" --budget-s 120
+    fi
+  done
+  step paced-fetch16k 150 env STREAMAPP_FETCH_MIN_BYTES=16384 STREAMAPP_FETCH_MAX_WAIT_MS=3 \
+    python3 -m bench hotpath --broker kafka --rate 5500 --requests 82500 --rungs product \
+    --profile-s 8 --profile-after-s 12 --out "$W/paced-fetch16k" --logs "$W/paced-fetch16k/logs"
 elif [ "$PART" = jpeg16 ]; then
   # Eighth session, the device time left after paced-short: camera JPEGs at N = 16 only,
   # against the decode + infer ceiling and the small-result relays (GPU busy: 78 % before).
@@ -194,7 +215,7 @@ elif [ "$PART" = jpeg16 ]; then
     --only resnet50-jpeg --ns 16 --ceilings aiokafka --budget-s 280
 else
   echo "unknown part $PART (hotpath, jpeg, groups, groups2, profile, jpeg2, jpeg3, tensors," \
-    "tprofile, paced, paced-short, jpeg16, p99, fetch, fetch64, tenth or tenth-b)" >&2
+    "tprofile, paced, paced-short, jpeg16, p99, fetch, fetch64, tenth, tenth-b or tenth-ab)" >&2
   exit 2
 fi
 tar czf "$OUT/$PART.tgz" -C "$W" . 2>/dev/null

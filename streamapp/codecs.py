@@ -517,8 +517,25 @@ def _plain_request(body: dict[str, Any], binary: bool, now: float) -> InferenceR
     )
 
 
+def _bin_key(body: dict[Any, Any]) -> bytes | None:
+    """The first bin (bytes) key of a msgpack request or of one of its maps (``tensor``,
+    ``image``); msgpack's ``strict_map_key`` lets str and bytes keys through, and a request
+    packed with bytes field names would otherwise read as one without them."""
+    for mapping in (body, *(v for v in body.values() if isinstance(v, dict))):
+        for key in mapping:
+            if isinstance(key, bytes):
+                return key
+    return None
+
+
 def _checked_request(body: dict[str, Any], *, binary: bool, now: float) -> InferenceRequest:
     """The careful decoder: every rule in order, each failure with its reason and message."""
+    if binary:
+        key = _bin_key(body)
+        if key is not None:
+            raise InvalidRequestError(
+                "invalid_msgpack", f"a map key is bin data ({_short(key, 40)}), not a string; "
+                "field names are msgpack strings (str, not bytes)")
     fields = {name: _field(body, name, kind) for name, kind in _REQUIRED}
     # JSON integers are unbounded: a 400-digit ts overflows float(), a huge seq cannot be
     # written as msgpack (results) — reject both here rather than crash later.

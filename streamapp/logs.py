@@ -5,22 +5,71 @@ models with their engine tags, backend, data dir). :class:`QuietChangelogs` drop
 per changelog table and partition at INFO (each table's and store's start and stop, the
 changelog topics' creation, RocksDB's "opening partition", the recovery's highwater and offset
 tables, which grow with the partitions); warnings and errors still pass, and nothing is dropped
-at ``log_level=debug``.
+at ``log_level=debug``. :class:`PerKeyThrottle` keeps a flood of one kind of line (dead
+letters of one reason) to a few lines a minute and a count.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from streamapp.settings import Settings
 from streamapp.state import advertised_host
 
-__all__ = ["QuietChangelogs", "startup_block"]
+__all__ = ["PerKeyThrottle", "QuietChangelogs", "startup_block"]
 
 #: Faust's loggers of tables, stores and their recovery.
 _TABLE_LOGGERS = ("faust.tables", "faust.stores")
+
+
+class PerKeyThrottle:
+    """At most ``per_window`` lines per key in each ``window_s``, then one line saying how many
+    were left out once the window is over (when the key's next line comes, or :meth:`flush`).
+
+    A worker fed bad requests logged one WARNING per dead letter: 1,248 lines after a trial's
+    floods of out-of-range tensors. Every dead letter is still in the dead-letter topic.
+
+    Args:
+        per_window: Lines logged per key and window, >= 1.
+        window_s: Window length in seconds.
+        clock: Monotonic seconds (tests pass their own).
+    """
+
+    def __init__(self, per_window: int = 10, window_s: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.per_window, self.window_s, self._clock = per_window, window_s, clock
+        self._windows: dict[str, list[float]] = {}  # key → [start, logged, left out]
+
+    def allow(self, key: str, logger: logging.Logger, what: str) -> bool:
+        """Whether to log this ``key``'s line now; a window that is over first gets its
+        "left out" line (``what`` names the lines, e.g. "dead letters out_of_range")."""
+        now = self._clock()
+        window = self._windows.get(key)
+        if window is None or now - window[0] >= self.window_s:
+            if window is not None:
+                self._said(key, window, logger, what)
+            window = self._windows[key] = [now, 0.0, 0.0]
+        if window[1] < self.per_window:
+            window[1] += 1
+            return True
+        window[2] += 1
+        return False
+
+    def flush(self, logger: logging.Logger, what: str) -> None:
+        """Log every key's "left out" count now (at stop)."""
+        for key, window in self._windows.items():
+            self._said(key, window, logger, what)
+        self._windows.clear()
+
+    def _said(self, key: str, window: list[float], logger: logging.Logger, what: str) -> None:
+        if window[2]:
+            logger.warning("%s %s: %d more in %.0f s not logged one by one (at most %d a "
+                           "window)", what, key, int(window[2]), self.window_s,
+                           self.per_window)
+            window[2] = 0
 
 
 class QuietChangelogs(logging.Filter):

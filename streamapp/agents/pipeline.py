@@ -71,6 +71,7 @@ from streamapp.codecs import (
     encode_result,
 )
 from streamapp.exceptions import InternalError, InvalidRequestError, StreamAppError
+from streamapp.logs import PerKeyThrottle
 from streamapp.models import ModelConfig
 from streamapp.models.decoding import ImageDecoder
 from streamapp.record_batches import UndecodableBatchError, take_undecodable
@@ -333,6 +334,8 @@ class InferencePipeline:
         self.retry_store: RetryStore = retry_store or MemoryRetryStore()
         self.observers = list(observers)
         self.stats = PipelineStats()
+        #: Dead-letter log lines: 10 per reason a minute, then a count (the DLQ has them all).
+        self._letter_log = PerKeyThrottle()
         self._emitted_in_batch: dict[str, int] = {}
         self.images = ImageDecoder(
             settings.image_decode_threads, max_image_pixels=settings.max_image_pixels
@@ -387,6 +390,7 @@ class InferencePipeline:
         self._flusher = None
         await self.flush_state()
         self.images.close()
+        self._letter_log.flush(log, "dead letters")
 
     async def flush_state(self) -> None:
         """Write the device state of every outcome produced so far (observers' ``flush``: one
@@ -1415,11 +1419,12 @@ class InferencePipeline:
         self.stats.dead_letters[reason] = self.stats.dead_letters.get(reason, 0) + 1
         now = time.time()
         source = work.source
-        log.warning(
-            "dead letter %s from %s[%d]@%d: %s",
-            reason, source.topic, source.partition, source.offset,
-            _clip(str(error), _SMALL_MESSAGE_CHARS),
-        )
+        if self._letter_log.allow(reason, log, "dead letters"):
+            log.warning(
+                "dead letter %s from %s[%d]@%d: %s",
+                reason, source.topic, source.partition, source.offset,
+                _clip(str(error), _SMALL_MESSAGE_CHARS),
+            )
         ids = self._ids(work, error)
         original = previous.value if previous else (source.value or b"")
         key = previous.key if previous else source.key

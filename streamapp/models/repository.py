@@ -273,7 +273,9 @@ class ModelConfig:
         """Raise ``out_of_range`` when a value of ``raw`` (request units) is outside
         ``[low, high]``; a bound the dtype cannot pass (0 for unsigned types) is not checked.
         NaN and ±Inf pass: they reach this check only where the model allows them
-        (``request.allow_non_finite``)."""
+        (``request.allow_non_finite``). A float tensor is compared with the bounds in its own
+        dtype (numpy casts the Python floats to it): 2.65 is 2.6504 for float16 and 2.6500001
+        for float32, so a value sent as the bound passes whatever the dtype (docs/records.md)."""
         if raw.dtype.kind in "iu":
             limits = np.iinfo(raw.dtype)
             check_low, check_high = limits.min < low, limits.max > high

@@ -315,6 +315,20 @@ def test_msgpack_map_with_non_string_key() -> None:
     assert error.reason == "invalid_msgpack"
 
 
+@pytest.mark.parametrize(("body", "key"), [
+    ({b"request_id": b"x", b"device_id": b"mal"}, "b'request_id'"),
+    ({"request_id": "r", "device_id": "d", "seq": 1, "ts": 1.8e9, "model": "digits",
+      "tensor": {b"dtype": "uint8", "shape": [8, 8], "data": bytes(64)}}, "b'dtype'"),
+])
+def test_msgpack_field_names_packed_as_bin_are_named(body: dict[Any, Any], key: str) -> None:
+    # a trial's request read as one without its fields: 'missing_field: request_id'
+    error = rejection(msgpack.packb(body, use_bin_type=True))
+
+    assert error.reason == "invalid_msgpack"
+    assert error.message == (f"a map key is bin data ({key}), not a string; field names are "
+                             "msgpack strings (str, not bytes)")
+
+
 @pytest.mark.parametrize(
     ("value", "named"),
     [

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from engines.base import EngineInfo
-from streamapp.logs import QuietChangelogs, startup_block
+from streamapp.logs import PerKeyThrottle, QuietChangelogs, startup_block
 from streamapp.models import ModelRepository
 from streamapp.settings import load_settings
 
@@ -104,3 +104,23 @@ def test_startup_block_of_a_shared_executor_worker_names_the_server(tmp_path: Pa
     lines = startup_block(settings, {"digits": SimpleNamespace(info=info)}).splitlines()
 
     assert f"  backend  auto (onnxruntime), in the shared executor server at {socket}" in lines
+
+
+def test_a_flood_of_one_kind_of_line_is_cut_to_a_few_and_a_count(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    now = [100.0]
+    throttle = PerKeyThrottle(per_window=3, window_s=60.0, clock=lambda: now[0])
+    logger = logging.getLogger("test.throttle")
+    with caplog.at_level(logging.WARNING, logger="test.throttle"):
+        allowed = [throttle.allow("out_of_range", logger, "dead letters") for _ in range(10)]
+        other = throttle.allow("bad_shape", logger, "dead letters")
+        assert caplog.messages == []  # the count waits for the window's end
+        now[0] += 60.0
+        again = throttle.allow("out_of_range", logger, "dead letters")
+        throttle.flush(logger, "dead letters")
+
+    assert allowed == [True] * 3 + [False] * 7
+    assert other and again
+    assert caplog.messages == [
+        "dead letters out_of_range: 7 more in 60 s not logged one by one (at most 3 a window)"]
