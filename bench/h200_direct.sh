@@ -192,10 +192,13 @@ elif [ "$PART" = tenth-b ]; then
 elif [ "$PART" = tenth-ab ]; then
   # Tenth session: the ResNet-50 tensors at N = 16 with the tree before the float16 change
   # (.ab/before: `git archive 8fe5113 streamapp engines bench scripts pyproject.toml`,
-  # carried with .kafka) and with this tree, in one call: after, before, after; then the
-  # paced worker under py-spy with 16 KiB / 3 ms fetches (~8 min).
+  # carried with .kafka; its bench/ replaced by this tree's) and with this tree, in one
+  # call, K = 24,000 (12,000 drained in 1.5 s); then the paced worker under py-spy with
+  # 16 KiB / 3 ms fetches (~8 min).
   [ -d .ab/before/streamapp ] || { echo "no .ab/before tree (carry it)" >&2; exit 2; }
-  for t in after before after2; do
+  rm -rf .ab/before/bench && cp -r bench .ab/before/bench
+  export BENCH_WORKERS_K=24000
+  for t in after before; do
     if [ "$t" = before ]; then
       (cd .ab/before && PYTHONPATH=/tmp/site:$PWD scaleout "tensors-$t" 130 "tensors-$t" \
         "group.initial.rebalance.delay.ms=3000" --only resnet50-tensor --ns 16 --ceilings "" \
@@ -205,6 +208,7 @@ elif [ "$PART" = tenth-ab ]; then
         --only resnet50-tensor --ns 16 --ceilings "" --budget-s 120
     fi
   done
+  unset BENCH_WORKERS_K
   step paced-fetch16k 150 env STREAMAPP_FETCH_MIN_BYTES=16384 STREAMAPP_FETCH_MAX_WAIT_MS=3 \
     python3 -m bench hotpath --broker kafka --rate 5500 --requests 82500 --rungs product \
     --profile-s 8 --profile-after-s 12 --out "$W/paced-fetch16k" --logs "$W/paced-fetch16k/logs"
