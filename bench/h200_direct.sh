@@ -209,7 +209,7 @@ elif [ "$PART" = tenth-ab ]; then
     fi
   done
   unset BENCH_WORKERS_K
-  step paced-fetch16k 150 env STREAMAPP_FETCH_MIN_BYTES=16384 STREAMAPP_FETCH_MAX_WAIT_MS=3 \
+  [ "${TENTH_AB_PACED:-1}" = 1 ] && step paced-fetch16k 150 env STREAMAPP_FETCH_MIN_BYTES=16384 STREAMAPP_FETCH_MAX_WAIT_MS=3 \
     python3 -m bench hotpath --broker kafka --rate 5500 --requests 82500 --rungs product \
     --profile-s 8 --profile-after-s 12 --out "$W/paced-fetch16k" --logs "$W/paced-fetch16k/logs"
 elif [ "$PART" = jpeg16 ]; then
