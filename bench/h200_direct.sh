@@ -24,7 +24,8 @@
 #          the aiokafka relay at the same N;
 # tenth:   ResNet-50 tensors N = 16, py-spy at N = 8, digits p99 at 70 % with 16 KiB fetches;
 # tenth-b: camera JPEGs N = 16, then bench.fetch_cost at 5,500/s (tenth session);
-# tenth-ab: tensors N = 16 with .ab/before and this tree in one call, then the paced worker
+# tenth-ab: tensors N = 16 with .ab/before and this tree in one call (K: TENTH_AB_K, 24,000),
+#          then the paced worker
 #          under py-spy with 16 KiB fetches (tenth session);
 # groups:  digits and JPEGs at N = 8, 16 on a broker with Kafka's default initial rebalance
 #          delay (3 s), then N = 16 with the test brokers' 0 (BENCH_KAFKA_PROPS).
@@ -197,7 +198,7 @@ elif [ "$PART" = tenth-ab ]; then
   # 16 KiB / 3 ms fetches (~8 min).
   [ -d .ab/before/streamapp ] || { echo "no .ab/before tree (carry it)" >&2; exit 2; }
   rm -rf .ab/before/bench && cp -r bench .ab/before/bench
-  export BENCH_WORKERS_K=24000
+  export BENCH_WORKERS_K=${TENTH_AB_K:-24000}
   for t in after before; do
     if [ "$t" = before ]; then
       (cd .ab/before && PYTHONPATH=/tmp/site:$PWD scaleout "tensors-$t" 130 "tensors-$t" \
