@@ -25,8 +25,8 @@
 # tenth:   ResNet-50 tensors N = 16, py-spy at N = 8, digits p99 at 70 % with 16 KiB fetches;
 # tenth-b: camera JPEGs N = 16, then bench.fetch_cost at 5,500/s (tenth session);
 # tenth-ab: tensors N = 16 with .ab/before and this tree in one call (K: TENTH_AB_K, 24,000),
-#          then the paced worker
-#          under py-spy with 16 KiB fetches (tenth session);
+#          then the paced worker under py-spy with 16 KiB fetches (TENTH_AB_PACED=0: not)
+#          (tenth session);
 # groups:  digits and JPEGs at N = 8, 16 on a broker with Kafka's default initial rebalance
 #          delay (3 s), then N = 16 with the test brokers' 0 (BENCH_KAFKA_PROPS).
 # Every step has its own timeout, so the call ends inside the device tool's limit. Writes
