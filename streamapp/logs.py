@@ -27,7 +27,8 @@ _TABLE_LOGGERS = ("faust.tables", "faust.stores")
 
 class PerKeyThrottle:
     """At most ``per_window`` lines per key in each ``window_s``, then one line saying how many
-    were left out once the window is over (when the key's next line comes, or :meth:`flush`).
+    were left out once the window is over: when the key's next line comes, at :meth:`expire`
+    (the worker calls it with every state flush, ~0.5 s) or at :meth:`flush` (at stop).
 
     A worker fed bad requests logged one WARNING per dead letter: 1,248 lines after a trial's
     floods of out-of-range tensors. Every dead letter is still in the dead-letter topic.
@@ -57,6 +58,12 @@ class PerKeyThrottle:
             return True
         window[2] += 1
         return False
+
+    def expire(self, logger: logging.Logger, what: str) -> None:
+        """Close the windows that are over, with their "left out" lines."""
+        now = self._clock()
+        for key in [k for k, w in self._windows.items() if now - w[0] >= self.window_s]:
+            self._said(key, self._windows.pop(key), logger, what)
 
     def flush(self, logger: logging.Logger, what: str) -> None:
         """Log every key's "left out" count now (at stop)."""

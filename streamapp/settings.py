@@ -1093,17 +1093,27 @@ def load_settings(**overrides: Any) -> Settings:
         ) from exc
 
 
+#: pydantic errors of numbers and choices whose message does not show the value given.
+_ECHOED_ERRORS = frozenset({"greater_than", "greater_than_equal", "less_than",
+                            "less_than_equal", "literal_error", "enum"})
+
+
 def _echoed_input(err: Any) -> str:
     """``, got '1e30'`` for a value that did not parse as its number or flag type (pydantic
-    says only "unable to parse string as an integer"), cut after :data:`_MAX_SHOWN_CHARS`
-    characters; nothing for other errors, whose messages say what was wrong (and a refused
-    secret is never echoed: strings always parse)."""
-    if not str(err.get("type", "")).endswith("_parsing") or not isinstance(err.get("input"), str):
+    says only "unable to parse string as an integer"), or ``, got -5`` for a number below its
+    minimum or a choice not offered, cut after :data:`_MAX_SHOWN_CHARS` characters; nothing
+    for other errors, whose messages say what was wrong (a refused secret is never echoed:
+    strings always parse and have no bounds)."""
+    kind, given = str(err.get("type", "")), err.get("input")
+    if kind.endswith("_parsing") and isinstance(given, str):
+        text = given
+    elif kind in _ECHOED_ERRORS and isinstance(given, (str, int, float)):
+        text = given if isinstance(given, str) else _shown_number(given)
+    else:
         return ""
-    text = err["input"]
     if len(text) > _MAX_SHOWN_CHARS:
         text = f"{text[:_MAX_SHOWN_CHARS - 1]}…"
-    return f", got {text!r}"
+    return f", got {text!r}" if isinstance(given, str) else f", got {text}"
 
 
 def settings_reference() -> str:

@@ -385,12 +385,14 @@ class InferencePipeline:
 
     async def stop(self, *, drain: bool = True) -> None:
         """Stop; with ``drain`` every record read so far is answered (and acked) first."""
-        await self.batcher.stop(drain=drain)
-        await cancel_and_wait(self._flusher)
-        self._flusher = None
-        await self.flush_state()
-        self.images.close()
-        self._letter_log.flush(log, "dead letters")
+        try:
+            await self.batcher.stop(drain=drain)
+            await cancel_and_wait(self._flusher)
+            self._flusher = None
+            await self.flush_state()
+            self.images.close()
+        finally:
+            self._letter_log.flush(log, "dead letters")
 
     async def flush_state(self) -> None:
         """Write the device state of every outcome produced so far (observers' ``flush``: one
@@ -442,6 +444,7 @@ class InferencePipeline:
             await wait_event(self._flush_now, self._flush_interval_s)
             self._flush_now.clear()
             await self.flush_state()
+            self._letter_log.expire(log, "dead letters")
 
     # -- input ----------------------------------------------------------------------------------
 
@@ -594,8 +597,11 @@ class InferencePipeline:
                 "unknown_model_version",
                 f"the request pins version {version!r} of model {name!r}, which this worker "
                 f"has not loaded; loaded: {', '.join(self.loaded.get(name, {}))} (current "
-                f"{current.version}); load it with `streamapp models load {name} --version "
-                f"{version} --keep`, or leave model_version out",
+                f"{current.version}); "
+                + (f"load it with `streamapp models load {name} --version {version} --keep`, "
+                   "or leave model_version out" if version.isascii() and version.isdigit()
+                   else "versions are numbers (the model's version folders): leave "
+                   "model_version out for the current one"),
             )
         return pinned
 

@@ -115,12 +115,26 @@ def test_a_flood_of_one_kind_of_line_is_cut_to_a_few_and_a_count(
     with caplog.at_level(logging.WARNING, logger="test.throttle"):
         allowed = [throttle.allow("out_of_range", logger, "dead letters") for _ in range(10)]
         other = throttle.allow("bad_shape", logger, "dead letters")
+        throttle.expire(logger, "dead letters")
         assert caplog.messages == []  # the count waits for the window's end
         now[0] += 60.0
         again = throttle.allow("out_of_range", logger, "dead letters")
-        throttle.flush(logger, "dead letters")
-
-    assert allowed == [True] * 3 + [False] * 7
-    assert other and again
+        assert caplog.messages == [
+            "dead letters out_of_range: 7 more in 60 s not logged one by one (at most 3 a "
+            "window)"]
+        assert allowed == [True] * 3 + [False] * 7 and other and again
+        caplog.clear()
+        for _ in range(5):
+            throttle.allow("bad_shape", logger, "dead letters")  # a new window: 3, 2 left out
+        throttle.expire(logger, "dead letters")
+        assert caplog.messages == []
+        now[0] += 60.0
+        throttle.expire(logger, "dead letters")  # no new line needed: the flush loop's call
+        assert caplog.messages == [
+            "dead letters bad_shape: 2 more in 60 s not logged one by one (at most 3 a window)"]
+        caplog.clear()
+        for _ in range(4):
+            throttle.allow("bad_dtype", logger, "dead letters")
+        throttle.flush(logger, "dead letters")  # at stop, whatever the window
     assert caplog.messages == [
-        "dead letters out_of_range: 7 more in 60 s not logged one by one (at most 3 a window)"]
+        "dead letters bad_dtype: 1 more in 60 s not logged one by one (at most 3 a window)"]

@@ -212,7 +212,7 @@ async def test_keep_serves_pinned_requests_then_unload_returns_it(
         await swapper.unload("digits", "1")
         await swapper.wait_closed()
         assert v1.executor.engine.closed
-        await pipeline.handle_many([pinned(3, "1")])
+        await pipeline.handle_many([pinned(3, "1"), pinned(4, "9\nFAKE")])
         await pipeline.batcher.drain()
     finally:
         await _stop(pipeline, swapper)
@@ -220,9 +220,14 @@ async def test_keep_serves_pinned_requests_then_unload_returns_it(
                                      if s.topic == settings.result_topic)}
     assert {s: r["model_version"] for s, r in results.items()} == {0: "1", 1: "2", 2: "2"}
     assert results[0]["outputs"]["top_k"][0]["label"] == "0"
-    (letter,) = [decode_dead_letter(s.value) for s in sink.sent if s.topic == settings.dlq_topic]
-    assert letter.error["reason"] == "unknown_model_version"
+    letter, odd = [decode_dead_letter(s.value) for s in sink.sent
+                   if s.topic == settings.dlq_topic]
+    assert letter.error["reason"] == odd.error["reason"] == "unknown_model_version"
     assert "streamapp models load digits --version 1 --keep" in letter.error["message"]
+    # a version that is no number is quoted, never put raw into a command (a trial's newline
+    # split the worker's log line)
+    assert "\n" not in odd.error["message"] and "'9\\nFAKE'" in odd.error["message"]
+    assert "versions are numbers" in odd.error["message"]
 
 
 async def test_samples_check_and_contract() -> None:

@@ -418,6 +418,11 @@ def test_a_refused_value_is_echoed_compactly_whatever_its_size(
     ("max_batch_delay_ms", "5ms", "max_batch_delay_ms: Input should be a valid number, unable "
      "to parse string as a number, got '5ms'"),
     ("max_retries", "x" * 60, f"got '{'x' * 39}…'"),
+    # below a minimum, a choice not offered: pydantic's message alone does not show the value
+    ("max_batch_size", "-5", "max_batch_size: Input should be greater than or equal to 1, "
+     "got '-5'"),
+    ("log_level", "verbose", "log_level: Input should be 'debug', 'info', 'warning' or 'error', "
+     "got 'verbose'"),
 ])
 def test_a_value_that_does_not_parse_is_echoed(
     monkeypatch: pytest.MonkeyPatch, name: str, value: str, said: str
@@ -428,6 +433,14 @@ def test_a_value_that_does_not_parse_is_echoed(
         load_settings()
 
     assert said in str(info.value)
+
+
+def test_a_flag_below_its_minimum_is_echoed_as_a_number() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings(max_batch_size=-5)
+
+    assert "max_batch_size: Input should be greater than or equal to 1, got -5)" in str(
+        info.value)
 
 
 def test_an_int_too_long_to_print_is_refused_with_its_size() -> None:
