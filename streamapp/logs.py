@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from streamapp.settings import Settings
@@ -42,27 +43,27 @@ class PerKeyThrottle:
     def __init__(self, per_window: int = 10, window_s: float = 60.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.per_window, self.window_s, self._clock = per_window, window_s, clock
-        self._windows: dict[str, list[float]] = {}  # key → [start, logged, left out]
+        self._windows: dict[str, _Window] = {}
 
     def allow(self, key: str, logger: logging.Logger, what: str) -> bool:
         """Whether to log this ``key``'s line now; a window that is over first gets its
         "left out" line (``what`` names the lines, e.g. "dead letters out_of_range")."""
         now = self._clock()
         window = self._windows.get(key)
-        if window is None or now - window[0] >= self.window_s:
+        if window is None or now - window.start >= self.window_s:
             if window is not None:
                 self._said(key, window, logger, what)
-            window = self._windows[key] = [now, 0.0, 0.0]
-        if window[1] < self.per_window:
-            window[1] += 1
+            window = self._windows[key] = _Window(now)
+        if window.logged < self.per_window:
+            window.logged += 1
             return True
-        window[2] += 1
+        window.left_out += 1
         return False
 
     def expire(self, logger: logging.Logger, what: str) -> None:
         """Close the windows that are over, with their "left out" lines."""
         now = self._clock()
-        for key in [k for k, w in self._windows.items() if now - w[0] >= self.window_s]:
+        for key in [k for k, w in self._windows.items() if now - w.start >= self.window_s]:
             self._said(key, self._windows.pop(key), logger, what)
 
     def flush(self, logger: logging.Logger, what: str) -> None:
@@ -71,12 +72,20 @@ class PerKeyThrottle:
             self._said(key, window, logger, what)
         self._windows.clear()
 
-    def _said(self, key: str, window: list[float], logger: logging.Logger, what: str) -> None:
-        if window[2]:
+    def _said(self, key: str, window: _Window, logger: logging.Logger, what: str) -> None:
+        if window.left_out:
             logger.warning("%s %s: %d more in %.0f s not logged one by one (at most %d a "
-                           "window)", what, key, int(window[2]), self.window_s,
+                           "window)", what, key, window.left_out, self.window_s,
                            self.per_window)
-            window[2] = 0
+
+
+@dataclass(slots=True)
+class _Window:
+    """One key's window of :class:`PerKeyThrottle`: when it began, lines logged, left out."""
+
+    start: float
+    logged: int = 0
+    left_out: int = 0
 
 
 class QuietChangelogs(logging.Filter):
