@@ -27,6 +27,9 @@
 # tenth-ab: tensors N = 16 with .ab/before and this tree in one call (K: TENTH_AB_K, 24,000),
 #          then the paced worker under py-spy with 16 KiB fetches (TENTH_AB_PACED=0: not)
 #          (tenth session);
+# eleventh: tensors N = 16 with .ab/head (no sub-batch split) and this tree in one call, then
+#          digits p99 at 70 % with py-spy on the worker (eleventh session); eleventh-b: camera
+#          JPEGs N = 16, then the paced worker under py-spy with 16 KiB fetches;
 # groups:  digits and JPEGs at N = 8, 16 on a broker with Kafka's default initial rebalance
 #          delay (3 s), then N = 16 with the test brokers' 0 (BENCH_KAFKA_PROPS).
 # Every step has its own timeout, so the call ends inside the device tool's limit. Writes
@@ -213,6 +216,39 @@ elif [ "$PART" = tenth-ab ]; then
   [ "${TENTH_AB_PACED:-1}" = 1 ] && step paced-fetch16k 150 env STREAMAPP_FETCH_MIN_BYTES=16384 STREAMAPP_FETCH_MAX_WAIT_MS=3 \
     python3 -m bench hotpath --broker kafka --rate 5500 --requests 82500 --rungs product \
     --profile-s 8 --profile-after-s 12 --out "$W/paced-fetch16k" --logs "$W/paced-fetch16k/logs"
+elif [ "$PART" = eleventh ] || [ "$PART" = eleventh-b ]; then
+  # Eleventh session. eleventh: the ResNet-50 tensors at N = 16, K = 24,000, with the tree
+  # before the executor server split sub-batches (.ab/head: `git archive 6d7206b streamapp
+  # engines bench scripts pyproject.toml`, carried with .kafka; its bench/ replaced by this
+  # tree's) and with this tree, in one call; then digits p99 at 70 % with py-spy on the
+  # worker during the open loop (~8 min). eleventh-b: camera JPEGs at N = 16 against the
+  # decode + infer ceiling, then the paced worker under py-spy with 16 KiB fetches (~7.5 min).
+  if [ "$PART" = eleventh ]; then
+    [ -d .ab/head/streamapp ] || { echo "no .ab/head tree (carry it)" >&2; exit 2; }
+    rm -rf .ab/head/bench && cp -r bench .ab/head/bench
+    export BENCH_WORKERS_K=${ELEVENTH_K:-24000}
+    for t in before after; do
+      if [ "$t" = before ]; then
+        (cd .ab/head && PYTHONPATH=/tmp/site:$PWD scaleout "tensors-$t" 130 "tensors-$t" \
+          "group.initial.rebalance.delay.ms=3000" --only resnet50-tensor --ns 16 --ceilings "" \
+          --budget-s 120)
+      else
+        scaleout "tensors-$t" 130 "tensors-$t" "group.initial.rebalance.delay.ms=3000" \
+          --only resnet50-tensor --ns 16 --ceilings "" --budget-s 120
+      fi
+    done
+    unset BENCH_WORKERS_K
+    step digits-p99-profile 170 env STREAMAPP_INTAKE=direct BENCH_SKIP=anchor,exactly_once,policy \
+      BENCH_OL_S=8 python3 -m bench run --profile gpu --broker kafka --only digits --no-backlog \
+      --no-scaleout --profile-open-loop --budget-s 145 --out "$W/digits-p99-profile" \
+      --logs "$W/digits-p99-profile/logs"
+  else
+    scaleout jpeg16 300 jpeg16 "group.initial.rebalance.delay.ms=3000" \
+      --only resnet50-jpeg --ns 16 --ceilings "" --budget-s 280
+    step paced-fetch16k 150 env STREAMAPP_FETCH_MIN_BYTES=16384 STREAMAPP_FETCH_MAX_WAIT_MS=3 \
+      python3 -m bench hotpath --broker kafka --rate 5500 --requests 82500 --rungs product \
+      --profile-s 8 --profile-after-s 12 --out "$W/paced-fetch16k" --logs "$W/paced-fetch16k/logs"
+  fi
 elif [ "$PART" = jpeg16 ]; then
   # Eighth session, the device time left after paced-short: camera JPEGs at N = 16 only,
   # against the decode + infer ceiling and the small-result relays (GPU busy: 78 % before).
@@ -220,7 +256,8 @@ elif [ "$PART" = jpeg16 ]; then
     --only resnet50-jpeg --ns 16 --ceilings aiokafka --budget-s 280
 else
   echo "unknown part $PART (hotpath, jpeg, groups, groups2, profile, jpeg2, jpeg3, tensors," \
-    "tprofile, paced, paced-short, jpeg16, p99, fetch, fetch64, tenth, tenth-b or tenth-ab)" >&2
+    "tprofile, paced, paced-short, jpeg16, p99, fetch, fetch64, tenth, tenth-b, tenth-ab," \
+    "eleventh or eleventh-b)" >&2
   exit 2
 fi
 tar czf "$OUT/$PART.tgz" -C "$W" . 2>/dev/null

@@ -735,7 +735,8 @@ class ScaleOut:
 
 def server_batches(sockets: Sequence[str]) -> dict[str, dict[str, Any]]:
     """What the executor servers' engines saw, per model, summed over the servers: batches,
-    rows, sub_batches (client requests), merged, mean_batch (rows ÷ batches). The counters
+    rows, sub_batches (client requests), merged, split (client requests run in more than one
+    batch), mean_batch (rows ÷ batches). The counters
     run from the server's start (its warm-up batch of 1 included)."""
     from engines.server import query_stats
 
@@ -748,8 +749,8 @@ def server_batches(sockets: Sequence[str]) -> dict[str, dict[str, Any]]:
             continue
         for model, s in stats.items():
             agg = out.setdefault(model, {"batches": 0, "rows": 0, "sub_batches": 0,
-                                         "merged": 0})
-            for k in ("batches", "rows", "sub_batches", "merged"):
+                                         "merged": 0, "split": 0})
+            for k in ("batches", "rows", "sub_batches", "merged", "split"):
                 agg[k] += int(s.get(k, 0))
     for model, agg in out.items():
         if model != "_errors":
@@ -793,7 +794,7 @@ def _fmt_point(p: Mapping[str, Any]) -> str:
     for model, b in (p.get("server_batches") or {}).items():
         if model != "_errors":
             parts.append(f"engine batch {b['mean_batch']:.1f} ({model}, {b['batches']} batches "
-                         f"from {b['sub_batches']} worker batches)")
+                         f"from {b['sub_batches']} worker batches, {b.get('split', 0)} split)")
     if p.get("dead"):
         parts.append(f"{len(p['dead'])} process(es) DIED")
     return ", ".join(parts)

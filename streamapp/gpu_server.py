@@ -76,8 +76,8 @@ async def _serve(settings: Settings, models: dict[str, LoadedModel], path: str) 
         for name, stats in server.stats.items():
             s = stats.as_dict()
             log.info("gpu-server %s: %d batches, %d rows, mean batch %.1f, %d merged from "
-                     "%d client batches", name, s["batches"], s["rows"], s["mean_batch"],
-                     s["merged"], s["sub_batches"])
+                     "%d client batches (%d split across batches)", name, s["batches"],
+                     s["rows"], s["mean_batch"], s["merged"], s["sub_batches"], s["split"])
         for model in models.values():
             await model.executor.close()
             model.executor.engine.close()

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from engines.base import Engine
-from engines.exceptions import ExecutorUnavailableError, InputSpecError
+from engines.exceptions import EngineRuntimeError, ExecutorUnavailableError, InputSpecError
 from engines.executor import Item, ThreadExecutor
 from engines.registry import load_engine
 from engines.server import ExecutorServer, SharedExecutor, query_stats
@@ -157,6 +157,102 @@ async def test_two_clients_batches_of_8_reach_the_engine_as_one_batch_of_16(
     assert stats["mean_batch"] == 16.0 and stats["sizes"] == {"16": 1}
     np.testing.assert_array_equal(out_a["probs"], local["probs"][:8])
     np.testing.assert_array_equal(out_b["probs"], local["probs"][8:])
+
+
+class PoisonExecutor(CountingExecutor):
+    """Fails every batch that holds a row whose first pixel is -1 (a stand-in for a request
+    that breaks the engine), and records the rows of every batch it runs."""
+
+    def __init__(self, engine: Engine, **kwargs: Any) -> None:
+        super().__init__(engine, **kwargs)
+        self.batches: list[list[float]] = []
+
+    async def run(self, items: Sequence[Item]) -> dict[str, np.ndarray]:
+        self.batches.append([float(np.asarray(i["input"]).flat[1]) for i in items])
+        if any(float(np.asarray(i["input"]).flat[0]) == -1.0 for i in items):
+            self.sizes.append(len(items))
+            raise EngineRuntimeError(f"a poison row in a batch of {len(items)}")
+        return await super().run(items)
+
+
+async def _local(engine: Engine, x: np.ndarray) -> dict[str, np.ndarray]:
+    """The in-process executor's outputs for ``x``, in batches of 16."""
+    executor = ThreadExecutor(engine)
+    try:
+        parts = [await executor.run(_items(x[i:i + 16])) for i in range(0, len(x), 16)]
+    finally:
+        await executor.close()
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
+def _tagged(x: np.ndarray, first: int) -> np.ndarray:
+    """``x`` with pixel 1 of each row set to its row number from ``first`` (which rows ran
+    where), everything else as it was."""
+    out = x.copy()
+    out.reshape(len(x), -1)[:, 1] = np.arange(first, first + len(x))
+    return out
+
+
+async def test_sub_batches_that_do_not_fit_are_split_so_every_engine_batch_is_full(
+    engine: Engine, frames: np.ndarray, tmp_path: Path,
+) -> None:
+    """Three clients send 12, 12 and 8 rows to a server of batches of 16: whatever order they
+    arrive in, the engine runs two full batches of 16 (one sub-batch split across them), not
+    three of 12, 12 and 8, and each client gets its own rows' predictions in its order."""
+    x = _tagged(frames[:32], 0)
+    local = await _local(engine, x)
+    counting = CountingExecutor(engine)
+    path = tmp_path / "s.sock"
+    with serving({"digits": counting}, path, batch_delay_ms=60_000.0):
+        clients = [await _client(path) for _ in range(3)]
+        try:
+            outs = await asyncio.wait_for(asyncio.gather(
+                clients[0].run(_items(x[:12])), clients[1].run(_items(x[12:24])),
+                clients[2].run(_items(x[24:32]))), 30)
+            stats = query_stats(path)["digits"]
+        finally:
+            for c in clients:
+                await c.close()
+    assert counting.sizes == [16, 16]
+    assert stats["batches"] == 2 and stats["sub_batches"] == 3 and stats["split"] == 1
+    assert stats["merged"] == 2 and stats["sizes"] == {"16": 2}
+    for out, rows in zip(outs, (slice(0, 12), slice(12, 24), slice(24, 32)), strict=True):
+        np.testing.assert_array_equal(out["probs"], local["probs"][rows])
+
+
+async def test_a_split_sub_batch_with_a_poison_row_fails_alone_and_only_once_done(
+    engine: Engine, frames: np.ndarray, tmp_path: Path,
+) -> None:
+    """A client's 12 rows with a poison row at position 10, between two clients' good rows,
+    on batches of 16: the merged batch that holds the poison row fails, its pieces run
+    alone, the poisoned client gets the engine's error, the others their predictions, and
+    no batch that starts after that error holds any of the poisoned client's rows."""
+    good_a, bad, good_c = _tagged(frames[:12], 0), _tagged(frames[12:24], 100), \
+        _tagged(frames[24:32], 200)
+    bad.reshape(12, -1)[10, 0] = -1.0
+    local = await _local(engine, np.concatenate([good_a, good_c]))
+    poison = PoisonExecutor(engine)
+    path = tmp_path / "s.sock"
+    with serving({"digits": poison}, path, batch_delay_ms=60_000.0):
+        clients = [await _client(path) for _ in range(3)]
+        try:
+            outs = await asyncio.wait_for(asyncio.gather(
+                clients[0].run(_items(good_a)), clients[1].run(_items(bad)),
+                clients[2].run(_items(good_c)), return_exceptions=True), 30)
+            stats = query_stats(path)["digits"]
+        finally:
+            for c in clients:
+                await c.close()
+    a, b, c = outs
+    assert isinstance(b, EngineRuntimeError) and "a poison row" in str(b)
+    assert isinstance(a, dict) and isinstance(c, dict)
+    np.testing.assert_array_equal(a["probs"], local["probs"][:12])
+    np.testing.assert_array_equal(c["probs"], local["probs"][12:])
+    assert stats["split"] == 1
+    # the poisoned client's rows (tags 100-111) ran only up to the batch that failed alone
+    failed_alone = next(i for i, rows in enumerate(poison.batches)
+                        if 110.0 in rows and all(100 <= r < 112 for r in rows))
+    assert not any(100 <= r < 112 for rows in poison.batches[failed_alone + 1:] for r in rows)
 
 
 async def test_a_lone_sub_batch_runs_after_the_delay(
