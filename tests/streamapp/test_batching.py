@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import heapq
 import itertools
 from collections.abc import Callable, Hashable, Sequence
@@ -10,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from streamapp import batching
 from streamapp.batching import Completion, MicroBatcher
 
 
@@ -97,6 +99,33 @@ async def test_closes_on_size_without_waiting_for_the_delay() -> None:
         assert batcher.stats.closed_by_size == 2
         assert batcher.stats.closed_by_delay == 0
         assert clock.now == 0.0
+
+
+async def test_batches_closed_by_size_leave_no_garbage_for_the_cyclic_collector() -> None:
+    """A batch closed by size cancels its delay timer; the timer's CancelledError holds the
+    frame that holds the batch, so a batch that still held its timer made a reference cycle,
+    and every item of it waited for the cyclic collector (whose pauses reached 100 ms in a
+    worker, issue 17). Freed by reference counting, nothing of it is left for ``gc``."""
+    rec = Recorder()
+    gc.collect()
+    gc.disable()
+    try:
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        async with MicroBatcher(rec.run_batch, rec.emit, max_batch_size=4,
+                                max_batch_delay_ms=10_000, max_inflight_batches=2) as batcher:
+            for i in range(40):
+                await batcher.put(i)
+            await wait_for(lambda: len(rec.emitted) == 40)
+        assert batcher.stats.closed_by_size == 10
+        rec.emitted.clear()
+        gc.collect()
+        left = [type(o).__name__ for o in gc.garbage
+                if isinstance(o, batching._Batch | batching._Slot | Completion)]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert left == []
 
 
 async def test_closes_on_delay_measured_from_the_first_item() -> None:
