@@ -28,9 +28,8 @@
 #          then the paced worker under py-spy with 16 KiB fetches (TENTH_AB_PACED=0: not)
 #          (tenth session);
 # eleventh: tensors N = 16 with .ab/head (no sub-batch split) and this tree in one call, then
-#          digits p99 at 70 % with py-spy on the worker and every process's collections
-#          watched (eleventh session); eleventh-b: that p99 step with the benchmark's own
-#          collector on (BENCH_GC_QUIET=0), then camera JPEGs N = 16;
+#          digits p99 at 70 % (eleventh session); eleventh-b: digits p99 at 70 % with
+#          .ab/head's worker, this tree's with the benchmark's collector on, then quiet;
 # groups:  digits and JPEGs at N = 8, 16 on a broker with Kafka's default initial rebalance
 #          delay (3 s), then N = 16 with the test brokers' 0 (BENCH_KAFKA_PROPS).
 # Every step has its own timeout, so the call ends inside the device tool's limit. Writes
@@ -218,41 +217,42 @@ elif [ "$PART" = tenth-ab ]; then
     python3 -m bench hotpath --broker kafka --rate 5500 --requests 82500 --rungs product \
     --profile-s 8 --profile-after-s 12 --out "$W/paced-fetch16k" --logs "$W/paced-fetch16k/logs"
 elif [ "$PART" = eleventh ] || [ "$PART" = eleventh-b ]; then
-  # Eleventh session. eleventh: the ResNet-50 tensors at N = 16, K = 24,000, with the tree
-  # before the executor server split sub-batches (.ab/head: `git archive 6d7206b streamapp
-  # engines bench scripts pyproject.toml`, carried with .kafka; its bench/ replaced by this
-  # tree's) and with this tree, in one call; then digits p99 at 70 % with py-spy on the
-  # worker during the open loop (~8 min). eleventh-b: the same p99 step with the benchmark's
-  # collector on, then camera JPEGs at N = 16 against the decode + infer ceiling (~8 min).
+  # Eleventh session. .ab/head is the tree before this session's changes (`git archive
+  # 6d7206b streamapp engines bench scripts pyproject.toml`, carried with .kafka); its bench/
+  # is replaced by this tree's, so both trees are measured by the same harness.
+  # eleventh: the ResNet-50 tensors at N = 16, K = 24,000, before and after the executor
+  #   server splits sub-batches, then digits p99 at 70 % (~8 min);
+  # eleventh-b: digits p99 at 70 % before the batch timer's reference cycle was broken, then
+  #   after it with the benchmark's own collector on (BENCH_GC_QUIET=0, as every earlier run
+  #   had it), then after it with it quiet (~9 min).
+  # Every p99 step: py-spy on the worker during the open loop, every process's collections
+  # watched (bench/gc_watch; the lines go to PART.log).
+  [ -d .ab/head/streamapp ] || { echo "no .ab/head tree (carry it)" >&2; exit 2; }
+  rm -rf .ab/head/bench && cp -r bench .ab/head/bench
+  p99() {  # name tree(. or .ab/head) gc_quiet
+    local name=$1 tree=$2 quiet=$3
+    mkdir -p "$W/$name"
+    (cd "$tree" && step "$name" 170 env STREAMAPP_INTAKE=direct \
+      BENCH_SKIP=anchor,exactly_once,policy BENCH_OL_S=8 BENCH_GC_QUIET="$quiet" \
+      BENCH_GC_WATCH="$W/$name/gc" PYTHONPATH="$PWD/bench/gc_watch:/tmp/site:$PWD" \
+      python3 -m bench run --profile gpu --broker kafka --only digits --no-backlog \
+      --no-scaleout --profile-open-loop --budget-s 145 --out "$W/$name" --logs "$W/$name/logs")
+    cat "$W/$name"/gc.*.jsonl >> "$OUT/$PART.log" 2>/dev/null
+  }
   if [ "$PART" = eleventh ]; then
-    [ -d .ab/head/streamapp ] || { echo "no .ab/head tree (carry it)" >&2; exit 2; }
-    rm -rf .ab/head/bench && cp -r bench .ab/head/bench
     export BENCH_WORKERS_K=${ELEVENTH_K:-24000}
-    for t in before after; do
-      if [ "$t" = before ]; then
-        (cd .ab/head && PYTHONPATH=/tmp/site:$PWD scaleout "tensors-$t" 130 "tensors-$t" \
-          "group.initial.rebalance.delay.ms=3000" --only resnet50-tensor --ns 16 --ceilings "" \
-          --budget-s 120)
-      else
-        scaleout "tensors-$t" 130 "tensors-$t" "group.initial.rebalance.delay.ms=3000" \
-          --only resnet50-tensor --ns 16 --ceilings "" --budget-s 120
-      fi
-    done
+    (cd .ab/head && PYTHONPATH=/tmp/site:$PWD scaleout tensors-before 130 tensors-before \
+      "group.initial.rebalance.delay.ms=3000" --only resnet50-tensor --ns 16 --ceilings "" \
+      --budget-s 120)
+    scaleout tensors-after 130 tensors-after "group.initial.rebalance.delay.ms=3000" \
+      --only resnet50-tensor --ns 16 --ceilings "" --budget-s 120
     unset BENCH_WORKERS_K
+    p99 digits-p99-after . 1
+  else
+    p99 digits-p99-before .ab/head 1
+    p99 digits-p99-after-gcon . 0
+    p99 digits-p99-after . 1
   fi
-  # digits p99 at 70 %, every process's collections watched (bench/gc_watch): eleventh with
-  # the benchmark's own collector quiet while it measures (bench.load.quiet_gc) and py-spy
-  # on the worker; eleventh-b with it on, as every earlier run had it (BENCH_GC_QUIET=0)
-  quiet=1 name=digits-p99-gc; [ "$PART" = eleventh-b ] && quiet=0 name=digits-p99-gcon
-  mkdir -p "$W/$name"
-  step "$name" 170 env STREAMAPP_INTAKE=direct BENCH_SKIP=anchor,exactly_once,policy \
-    BENCH_OL_S=8 BENCH_GC_QUIET=$quiet BENCH_GC_WATCH="$W/$name/gc" \
-    PYTHONPATH="$PWD/bench/gc_watch:$PYTHONPATH" python3 -m bench run --profile gpu \
-    --broker kafka --only digits --no-backlog --no-scaleout --profile-open-loop --budget-s 145 \
-    --out "$W/$name" --logs "$W/$name/logs"
-  cat "$W/$name"/gc.*.jsonl >> "$OUT/$PART.log" 2>/dev/null
-  [ "$PART" = eleventh-b ] && scaleout jpeg16 300 jpeg16 "group.initial.rebalance.delay.ms=3000" \
-    --only resnet50-jpeg --ns 16 --ceilings "" --budget-s 280
 elif [ "$PART" = jpeg16 ]; then
   # Eighth session, the device time left after paced-short: camera JPEGs at N = 16 only,
   # against the decode + infer ceiling and the small-result relays (GPU busy: 78 % before).
