@@ -259,3 +259,35 @@ def test_ceilings_override_leaves_the_worker_series_alone() -> None:
 
     planned = [line.split(":")[0].strip() for line in logged if "about" in line]
     assert planned == ["digits workers N=8", "digits workers N=16"]
+
+
+def _make_cycles(n: int) -> None:
+    for _ in range(n):
+        a: list[Any] = []
+        a.append(a)
+
+
+@pytest.mark.parametrize("quiet", ["1", "0"])
+def test_quiet_gc_keeps_the_collector_off_while_measuring_and_counts_what_ran(
+    quiet: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Quiet (the default): no automatic collection while the block runs, however much
+    cyclic garbage it makes, and the collector is back on after; BENCH_GC_QUIET=0: the
+    collector runs as usual, and the block's collections are counted."""
+    import gc
+
+    from bench.load import quiet_gc
+
+    monkeypatch.setenv("BENCH_GC_QUIET", quiet)
+    out: dict[str, Any] = {}
+    assert gc.isenabled()
+    with quiet_gc(out):
+        assert gc.isenabled() is (quiet == "0")
+        _make_cycles(20_000)  # far beyond the youngest generation's threshold (700)
+    assert gc.isenabled()
+    assert out["bench_gc"]["quiet"] is (quiet == "1")
+    if quiet == "1":
+        assert out["bench_gc"] == {"quiet": True, "collections": 0, "total_ms": 0.0,
+                                   "max_ms": 0.0}
+    else:
+        assert out["bench_gc"]["collections"] > 0
