@@ -186,7 +186,10 @@ class FakeEngine(Engine):
             for item in feeds[self.inputs[0].name]:
                 error = self._fail_on(item)
                 if error is not None:
-                    raise error
+                    try:
+                        raise error
+                    finally:  # the frame must not keep its own error: a reference cycle
+                        del error
         return self.predict(feeds)
 
 

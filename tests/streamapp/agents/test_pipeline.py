@@ -1424,3 +1424,43 @@ async def test_a_record_batch_the_broker_refuses_is_sent_again_record_by_record(
     assert sorted((d.request_id, d.error["reason"]) for d in letters) == [
         ("dev-a-0", "unproducible_outcome"), ("dev-a-1", "unproducible_outcome")]
     assert sorted(source.acked) == [m.offset for m in messages]
+
+
+async def test_a_poison_batch_and_its_bisection_leave_no_garbage_for_the_cyclic_collector(
+    start_pipeline: StartPipeline, images: np.ndarray
+) -> None:
+    """Batches closed full, one of them failed by a poison request and bisected, and the
+    dead letter: what they held is freed by reference counting, not left in reference cycles
+    for the cyclic collector, whose pauses are latency (issue 17)."""
+    import gc
+
+    from streamapp import batching
+
+    def fail_on(item: np.ndarray) -> Any:
+        return InputSpecError("poison item") if is_poison(item) else None
+
+    engine = FakeEngine(fail_on=fail_on)
+    sink, source = FakeSink(), Source()
+    pipeline = await start_pipeline(
+        ThreadExecutor(engine, max_inflight=1), sink, max_batch_size=16,
+        max_batch_delay_ms=60_000.0,
+    )
+    gc.collect()
+    gc.disable()
+    try:
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        for seq in range(64):
+            pixels = poison_pixels(images, seq) if seq == 37 else images[seq]
+            await pipeline.handle(good(source, pixels, f"dev-{seq % 8}", seq))
+        await wait_for(lambda: len(source.acked) == 64)
+        assert len(dead_letters_of(sink, pipeline)) == 1
+        sink.sent.clear()
+        gc.collect()
+        kinds = (batching.Completion, batching._Slot, batching._Batch, SourceMessage,
+                 InferenceRequest, TensorPayload, BaseException)
+        left = sorted({type(o).__name__ for o in gc.garbage if isinstance(o, kinds)})
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert left == []
