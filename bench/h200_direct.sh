@@ -56,6 +56,7 @@ step() {  # name timeout_s command...
   timeout "$limit" "$@" > "$W/$name.log" 2>&1
   echo "exit $? after $SECONDS s of the call" >> "$W/$name.log"
   grep -v -E "NotLeaderForPartition|retrying" "$W/$name.log" | tail -40 >> "$OUT/$PART.log"
+  tar czf "$OUT/$PART.tgz" -C "$W" . 2>/dev/null  # what is done comes back if the call is cut
 }
 scaleout() {  # name timeout_s out_dir broker_props args...: the workers of this script's setup
   local name=$1 limit=$2 dir=$3 props=$4; shift 4
