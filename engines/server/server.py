@@ -105,6 +105,8 @@ class _Request:
     slot: int
     arrived: float = field(default_factory=time.monotonic)
     answered: bool = False
+    #: Rows of the sub-batch (``items`` is emptied when it is answered; this stays).
+    size: int = 0
     #: Rows handed to batches so far (the rest wait in the queue).
     taken: int = 0
     #: Pieces in a running batch.
@@ -117,8 +119,8 @@ class _Request:
 
     @property
     def left(self) -> int:
-        """Rows not handed to a batch yet."""
-        return len(self.items) - self.taken
+        """Rows not handed to a batch yet (0 once a piece failed: the rest is dropped)."""
+        return self.size - self.taken
 
 
 @dataclass(frozen=True)
@@ -201,8 +203,9 @@ class _ModelBatcher:
         self._task = asyncio.create_task(self._loop(), name=f"batcher-{self.name}")
 
     def put(self, request: _Request) -> None:
+        request.size = len(request.items)
         self.queue.append(request)
-        self.rows += len(request.items)
+        self.rows += request.size
         self.stats.sub_batches += 1
         self._arrived.set()
 
@@ -239,7 +242,7 @@ class _ModelBatcher:
             request = self.queue[0]
             n = min(request.left, self.max_batch - size)
             if n > 0:
-                if request.taken == 0 and n < len(request.items):
+                if request.taken == 0 and n < request.size:
                     self.stats.split += 1
                 batch.append(_Piece(request, request.taken, request.taken + n))
                 request.taken += n
@@ -302,7 +305,7 @@ class _ModelBatcher:
             if request.error is None:
                 request.error = error
             self.rows -= request.left
-            request.taken = len(request.items)  # the loop drops its queued rest
+            request.taken = request.size  # the loop drops its queued rest
         elif request.error is None:
             assert outputs is not None
             request.parts[piece.start] = outputs
@@ -311,7 +314,7 @@ class _ModelBatcher:
             return
         if request.error is not None:
             self.answer(request, None, request.error)
-        elif request.done == len(request.items):
+        elif request.done == request.size:
             parts = [request.parts[k] for k in sorted(request.parts)]
             self.answer(request, parts[0] if len(parts) == 1 else
                         {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}, None)

@@ -185,6 +185,14 @@ async def _local(engine: Engine, x: np.ndarray) -> dict[str, np.ndarray]:
     return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
 
+async def _until_queued(path: Path, n: int, timeout_s: float = 10.0) -> None:
+    """Wait until the server has received ``n`` sub-batches in all."""
+    deadline = time.monotonic() + timeout_s
+    while (await asyncio.to_thread(query_stats, path))["digits"]["sub_batches"] < n:
+        assert time.monotonic() < deadline, f"the server did not get {n} sub-batches"
+        await asyncio.sleep(0.005)
+
+
 def _tagged(x: np.ndarray, first: int) -> np.ndarray:
     """``x`` with pixel 1 of each row set to its row number from ``first`` (which rows ran
     where), everything else as it was."""
@@ -220,25 +228,37 @@ async def test_sub_batches_that_do_not_fit_are_split_so_every_engine_batch_is_fu
         np.testing.assert_array_equal(out["probs"], local["probs"][rows])
 
 
+@pytest.mark.parametrize("poison_row", [2, 10])
 async def test_a_split_sub_batch_with_a_poison_row_fails_alone_and_only_once_done(
-    engine: Engine, frames: np.ndarray, tmp_path: Path,
+    poison_row: int, engine: Engine, frames: np.ndarray, tmp_path: Path,
 ) -> None:
-    """A client's 12 rows with a poison row at position 10, between two clients' good rows,
-    on batches of 16: the merged batch that holds the poison row fails, its pieces run
-    alone, the poisoned client gets the engine's error, the others their predictions, and
-    no batch that starts after that error holds any of the poisoned client's rows."""
+    """A client's 12 rows with a poison row (in the first piece or in the rest of a split),
+    between two clients' good rows, on batches of 16: the merged batch that holds the poison
+    row fails, its pieces run alone, the poisoned client gets the engine's error, the others
+    their predictions, no batch that starts after that error holds any of the poisoned
+    client's rows, and the server keeps serving (a failed first piece once left its queued
+    rest with a negative row count, and the batcher spun forever: a new-user trial)."""
     good_a, bad, good_c = _tagged(frames[:12], 0), _tagged(frames[12:24], 100), \
         _tagged(frames[24:32], 200)
-    bad.reshape(12, -1)[10, 0] = -1.0
+    bad.reshape(12, -1)[poison_row, 0] = -1.0
     local = await _local(engine, np.concatenate([good_a, good_c]))
     poison = PoisonExecutor(engine)
     path = tmp_path / "s.sock"
-    with serving({"digits": poison}, path, batch_delay_ms=60_000.0):
+    # a delay, not only full batches: a failed piece drops its sub-batch's queued rest, so
+    # what follows it may not fill a batch
+    with serving({"digits": poison}, path, batch_delay_ms=2_000.0):
         clients = [await _client(path) for _ in range(3)]
         try:
-            outs = await asyncio.wait_for(asyncio.gather(
-                clients[0].run(_items(good_a)), clients[1].run(_items(bad)),
-                clients[2].run(_items(good_c)), return_exceptions=True), 30)
+            # in this order (each queued before the next is sent), so that the poisoned
+            # sub-batch is split: A's 12 rows and B's first 4, then B's other 8 and C's 8
+            runs = []
+            for n, (client, x) in enumerate(zip(clients, (good_a, bad, good_c), strict=True)):
+                runs.append(asyncio.ensure_future(client.run(_items(x))))
+                await _until_queued(path, n + 1)
+            outs = await asyncio.wait_for(asyncio.gather(*runs, return_exceptions=True), 30)
+            again = await asyncio.wait_for(asyncio.gather(  # the server still serves
+                clients[0].run(_items(good_a)), clients[1].run(_items(good_a)),
+                clients[2].run(_items(good_c))), 30)
             stats = query_stats(path)["digits"]
         finally:
             for c in clients:
@@ -248,10 +268,13 @@ async def test_a_split_sub_batch_with_a_poison_row_fails_alone_and_only_once_don
     assert isinstance(a, dict) and isinstance(c, dict)
     np.testing.assert_array_equal(a["probs"], local["probs"][:12])
     np.testing.assert_array_equal(c["probs"], local["probs"][12:])
-    assert stats["split"] == 1
+    np.testing.assert_array_equal(again[0]["probs"], local["probs"][:12])
+    np.testing.assert_array_equal(again[1]["probs"], local["probs"][:12])
+    np.testing.assert_array_equal(again[2]["probs"], local["probs"][12:])
+    assert stats["split"] >= 1
     # the poisoned client's rows (tags 100-111) ran only up to the batch that failed alone
     failed_alone = next(i for i, rows in enumerate(poison.batches)
-                        if 110.0 in rows and all(100 <= r < 112 for r in rows))
+                        if 100.0 + poison_row in rows and all(100 <= r < 112 for r in rows))
     assert not any(100 <= r < 112 for rows in poison.batches[failed_alone + 1:] for r in rows)
 
 
