@@ -75,9 +75,10 @@ async def _serve(settings: Settings, models: dict[str, LoadedModel], path: str) 
         await server.close()
         for name, stats in server.stats.items():
             s = stats.as_dict()
-            log.info("gpu-server %s: %d batches, %d rows, mean batch %.1f, %d merged from "
-                     "%d client batches (%d split across batches)", name, s["batches"],
-                     s["rows"], s["mean_batch"], s["merged"], s["sub_batches"], s["split"])
+            log.info("gpu-server %s: %d client batches in %d engine batches of %d rows (mean "
+                     "batch %.1f; %d engine batches held more than one client batch, %d client "
+                     "batches were split across two)", name, s["sub_batches"], s["batches"],
+                     s["rows"], s["mean_batch"], s["merged"], s["split"])
         for model in models.values():
             await model.executor.close()
             model.executor.engine.close()

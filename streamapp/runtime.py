@@ -209,17 +209,24 @@ class WorkerRuntime:
         (each bounded by ``DRAIN_TIMEOUT_S``)."""
         if self._scheduler is not None:
             await self._scheduler.stop()
+        waiting_for = "the batches in flight"
         try:
             # asyncio.timeout, not wait_for: a cancellation is never lost (tasks.wait_event)
             async with asyncio.timeout(DRAIN_TIMEOUT_S):
                 await pipeline.batcher.drain()
             if self._host is not None:
+                waiting_for = "the producer's flush"
                 async with asyncio.timeout(DRAIN_TIMEOUT_S):
                     await self._host.flush()
+            waiting_for = "the broker's acknowledgements"
             async with asyncio.timeout(DRAIN_TIMEOUT_S):
                 await pipeline.wait_acknowledged()
-        except (TimeoutError, RuntimeError) as exc:
-            log.warning("stopping with requests in flight (%s); they will be redelivered", exc)
+        except TimeoutError:
+            log.warning("stopping with requests in flight (%s did not end within %.0f s); "
+                        "they will be redelivered", waiting_for, DRAIN_TIMEOUT_S)
+        except RuntimeError as exc:
+            log.warning("stopping with requests in flight (%s: %s); they will be redelivered",
+                        waiting_for, exc)
         # device state of everything answered, and the acks it held back (before the commit)
         await pipeline.flush_state()
 

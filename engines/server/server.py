@@ -431,9 +431,15 @@ class ExecutorServer:
         for conn in list(self._connections):
             conn.closed = True
             conn.writer.close()
-        for task in list(self._handlers):
-            task.cancel()
-        await asyncio.gather(*self._handlers, return_exceptions=True)
+        # A closed transport ends each handler's read (IncompleteReadError): let them end so,
+        # and cancel only what is still running after a while. A cancelled handler task made
+        # asyncio log a CancelledError traceback per connection (its client_connected_cb
+        # callback asks a cancelled task for its exception; seen in a new-user trial).
+        if self._handlers:
+            _, stuck = await asyncio.wait(list(self._handlers), timeout=5.0)
+            for task in stuck:
+                task.cancel()
+            await asyncio.gather(*stuck, return_exceptions=True)
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
 

@@ -6,6 +6,7 @@ one whose server stays away longer than ``wait_s`` fails with the retriable erro
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import subprocess
@@ -276,6 +277,23 @@ async def test_a_split_sub_batch_with_a_poison_row_fails_alone_and_only_once_don
     failed_alone = next(i for i, rows in enumerate(poison.batches)
                         if 100.0 + poison_row in rows and all(100 <= r < 112 for r in rows))
     assert not any(100 <= r < 112 for rows in poison.batches[failed_alone + 1:] for r in rows)
+
+
+async def test_closing_the_server_with_a_client_connected_logs_no_traceback(
+    engine: Engine, frames: np.ndarray, tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A new-user trial's SIGTERM to `streamapp gpu-server` with a worker connected logged
+    one asyncio CancelledError traceback per connection."""
+    path = tmp_path / "s.sock"
+    with caplog.at_level(logging.ERROR), serving({"digits": ThreadExecutor(engine)}, path,
+                                                 batch_delay_ms=1.0):
+        client = await _client(path)
+        await client.run(_items(frames[:4]))
+    try:
+        errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+        assert errors == []
+    finally:
+        await client.close()
 
 
 async def test_a_lone_sub_batch_runs_after_the_delay(
