@@ -14,9 +14,10 @@ sub-batch arrived *and* an executor slot is free: while every slot is busy the b
 filling (it could not start anyway), so under load the engine sees full batches. A sub-batch
 that does not fit in the rest of a batch is split: its first rows fill the batch and the rest
 lead the next one, which is when the whole sub-batch would have run unsplit, so no row runs
-later than it would have, and with 16 workers' sub-batches of about 30 the engine's batches
-are 64 instead of 46 (issue 17; Triton's dynamic batcher does not split a request, but a
-sub-batch here is itself a batch of independent rows). A client is answered once every row
+later than it would have, and a queue of more than one batch gives full batches (whole
+sub-batches of about 30 rows from 16 workers gave batches of 46 of 64 on the H100 host,
+issue 17; Triton's dynamic batcher does not split a request, but a sub-batch here is itself
+a batch of independent rows). A client is answered once every row
 of its sub-batch has run. When a merged batch fails, each of its pieces is run alone, so one
 client's poison request fails only that client's sub-batch (the client's pipeline then bisects
 it as usual); a sub-batch with a failed piece is answered with that error once none of its
