@@ -217,7 +217,8 @@ elif [ "$PART" = tenth-ab ]; then
   [ "${TENTH_AB_PACED:-1}" = 1 ] && step paced-fetch16k 150 env STREAMAPP_FETCH_MIN_BYTES=16384 STREAMAPP_FETCH_MAX_WAIT_MS=3 \
     python3 -m bench hotpath --broker kafka --rate 5500 --requests 82500 --rungs product \
     --profile-s 8 --profile-after-s 12 --out "$W/paced-fetch16k" --logs "$W/paced-fetch16k/logs"
-elif [ "$PART" = eleventh ] || [ "$PART" = eleventh-b ] || [ "$PART" = eleventh-one ]; then
+elif [ "$PART" = eleventh ] || [ "$PART" = eleventh-b ] || [ "$PART" = eleventh-one ] \
+    || [ "$PART" = eleventh-min ]; then
   # Eleventh session. .ab/head is the tree before this session's changes (`git archive
   # 6d7206b streamapp engines bench scripts pyproject.toml`, carried with .kafka); its bench/
   # is replaced by this tree's, so both trees are measured by the same harness.
@@ -227,7 +228,7 @@ elif [ "$PART" = eleventh ] || [ "$PART" = eleventh-b ] || [ "$PART" = eleventh-
   #   after it, then after it with the benchmark's own collector on (BENCH_GC_QUIET=0, as
   #   every earlier run had it; ELEVENTH_GCON=0: not) (~9 min);
   # eleventh-one: when one call is all there is: the p99 before and after, then the tensors
-  #   after (~8 min).
+  #   after (~8 min); eleventh-min: the p99 after, then the tensors after (~5 min).
   # Every p99 step: py-spy on the worker during the open loop, every process's collections
   # watched (bench/gc_watch; the lines go to PART.log).
   [ -d .ab/head/streamapp ] || { echo "no .ab/head tree (carry it)" >&2; exit 2; }
@@ -242,7 +243,12 @@ elif [ "$PART" = eleventh ] || [ "$PART" = eleventh-b ] || [ "$PART" = eleventh-
       --no-scaleout --profile-open-loop --budget-s 145 --out "$W/$name" --logs "$W/$name/logs")
     cat "$W/$name"/gc.*.jsonl >> "$OUT/$PART.log" 2>/dev/null
   }
-  if [ "$PART" = eleventh-one ]; then  # one call only: the p99 A/B, then the tensors after
+  if [ "$PART" = eleventh-min ]; then  # the least device time: p99 after, tensors after
+    p99 digits-p99-after . 1
+    BENCH_WORKERS_K=${ELEVENTH_K:-24000} scaleout tensors-after 130 tensors-after \
+      "group.initial.rebalance.delay.ms=3000" --only resnet50-tensor --ns 16 --ceilings "" \
+      --budget-s 120
+  elif [ "$PART" = eleventh-one ]; then  # one call only: the p99 A/B, then the tensors after
     p99 digits-p99-before .ab/head 1
     p99 digits-p99-after . 1
     BENCH_WORKERS_K=${ELEVENTH_K:-24000} scaleout tensors-after 130 tensors-after \
@@ -270,7 +276,7 @@ elif [ "$PART" = jpeg16 ]; then
 else
   echo "unknown part $PART (hotpath, jpeg, groups, groups2, profile, jpeg2, jpeg3, tensors," \
     "tprofile, paced, paced-short, jpeg16, p99, fetch, fetch64, tenth, tenth-b, tenth-ab," \
-    "eleventh, eleventh-b or eleventh-one)" >&2
+    "eleventh, eleventh-b, eleventh-one or eleventh-min)" >&2
   exit 2
 fi
 tar czf "$OUT/$PART.tgz" -C "$W" . 2>/dev/null
