@@ -218,7 +218,7 @@ elif [ "$PART" = tenth-ab ]; then
     python3 -m bench hotpath --broker kafka --rate 5500 --requests 82500 --rungs product \
     --profile-s 8 --profile-after-s 12 --out "$W/paced-fetch16k" --logs "$W/paced-fetch16k/logs"
 elif [ "$PART" = eleventh ] || [ "$PART" = eleventh-b ] || [ "$PART" = eleventh-one ] \
-    || [ "$PART" = eleventh-min ]; then
+    || [ "$PART" = eleventh-min ] || [ "$PART" = eleventh-tb ]; then
   # Eleventh session. .ab/head is the tree before this session's changes (`git archive
   # 6d7206b streamapp engines bench scripts pyproject.toml`, carried with .kafka); its bench/
   # is replaced by this tree's, so both trees are measured by the same harness.
@@ -243,7 +243,11 @@ elif [ "$PART" = eleventh ] || [ "$PART" = eleventh-b ] || [ "$PART" = eleventh-
       --no-scaleout --profile-open-loop --budget-s 145 --out "$W/$name" --logs "$W/$name/logs")
     cat "$W/$name"/gc.*.jsonl >> "$OUT/$PART.log" 2>/dev/null
   }
-  if [ "$PART" = eleventh-min ]; then  # the least device time: p99 after, tensors after
+  if [ "$PART" = eleventh-tb ]; then  # the tensors before alone (after: eleventh-one)
+    (cd .ab/head && BENCH_WORKERS_K=${ELEVENTH_K:-24000} PYTHONPATH=/tmp/site:$PWD scaleout \
+      tensors-before 130 tensors-before "group.initial.rebalance.delay.ms=3000" \
+      --only resnet50-tensor --ns 16 --ceilings "" --budget-s 120)
+  elif [ "$PART" = eleventh-min ]; then  # the least device time: p99 after, tensors after
     p99 digits-p99-after . 1
     BENCH_WORKERS_K=${ELEVENTH_K:-24000} scaleout tensors-after 130 tensors-after \
       "group.initial.rebalance.delay.ms=3000" --only resnet50-tensor --ns 16 --ceilings "" \
