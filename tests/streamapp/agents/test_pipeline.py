@@ -680,22 +680,30 @@ async def test_a_transiently_failed_batch_is_bisected_and_every_request_answered
     assert pipeline.stats.bisections == 1
 
 
-async def test_one_poison_request_in_a_batch_of_64_fails_alone(
-    start_pipeline: StartPipeline, images: np.ndarray
-) -> None:
+async def _poisoned_64(start_pipeline: StartPipeline, images: np.ndarray, batch: int
+                       ) -> tuple[FakeEngine, FakeSink, InferencePipeline]:
+    """64 requests of 8 devices through an engine that fails any batch holding request 37,
+    in batches of ``batch`` that close only full; returns once every record is acked."""
     def fail_on(item: np.ndarray) -> Any:
         return InputSpecError("poison item") if is_poison(item) else None
 
     engine = FakeEngine(fail_on=fail_on)
     sink, source = FakeSink(), Source()
     pipeline = await start_pipeline(
-        ThreadExecutor(engine, max_inflight=1), sink, max_batch_size=64,
+        ThreadExecutor(engine, max_inflight=1), sink, max_batch_size=batch,
         max_batch_delay_ms=60_000.0,
     )
     for seq in range(64):
         pixels = poison_pixels(images, seq) if seq == 37 else images[seq]
         await pipeline.handle(good(source, pixels, f"dev-{seq % 8}", seq))
     await wait_for(lambda: len(source.acked) == 64)
+    return engine, sink, pipeline
+
+
+async def test_one_poison_request_in_a_batch_of_64_fails_alone(
+    start_pipeline: StartPipeline, images: np.ndarray
+) -> None:
+    engine, sink, pipeline = await _poisoned_64(start_pipeline, images, 64)
 
     results = results_of(sink, pipeline)
     letters = dead_letters_of(sink, pipeline)
@@ -1436,23 +1444,11 @@ async def test_a_poison_batch_and_its_bisection_leave_no_garbage_for_the_cyclic_
 
     from streamapp import batching
 
-    def fail_on(item: np.ndarray) -> Any:
-        return InputSpecError("poison item") if is_poison(item) else None
-
-    engine = FakeEngine(fail_on=fail_on)
-    sink, source = FakeSink(), Source()
-    pipeline = await start_pipeline(
-        ThreadExecutor(engine, max_inflight=1), sink, max_batch_size=16,
-        max_batch_delay_ms=60_000.0,
-    )
     gc.collect()
     gc.disable()
     try:
         gc.set_debug(gc.DEBUG_SAVEALL)
-        for seq in range(64):
-            pixels = poison_pixels(images, seq) if seq == 37 else images[seq]
-            await pipeline.handle(good(source, pixels, f"dev-{seq % 8}", seq))
-        await wait_for(lambda: len(source.acked) == 64)
+        _, sink, pipeline = await _poisoned_64(start_pipeline, images, 16)
         assert len(dead_letters_of(sink, pipeline)) == 1
         sink.sent.clear()
         gc.collect()
