@@ -243,35 +243,21 @@ elif [ "$PART" = eleventh ] || [ "$PART" = eleventh-b ] || [ "$PART" = eleventh-
       --no-scaleout --profile-open-loop --budget-s 145 --out "$W/$name" --logs "$W/$name/logs")
     cat "$W/$name"/gc.*.jsonl >> "$OUT/$PART.log" 2>/dev/null
   }
-  if [ "$PART" = eleventh-tb ]; then  # the tensors before alone (after: eleventh-one)
-    (cd .ab/head && BENCH_WORKERS_K=${ELEVENTH_K:-24000} PYTHONPATH=/tmp/site:$PWD scaleout \
-      tensors-before 130 tensors-before "group.initial.rebalance.delay.ms=3000" \
-      --only resnet50-tensor --ns 16 --ceilings "" --budget-s 120)
-  elif [ "$PART" = eleventh-min ]; then  # the least device time: p99 after, tensors after
-    p99 digits-p99-after . 1
-    BENCH_WORKERS_K=${ELEVENTH_K:-24000} scaleout tensors-after 130 tensors-after \
-      "group.initial.rebalance.delay.ms=3000" --only resnet50-tensor --ns 16 --ceilings "" \
-      --budget-s 120
-  elif [ "$PART" = eleventh-one ]; then  # one call only: the p99 A/B, then the tensors after
-    p99 digits-p99-before .ab/head 1
-    p99 digits-p99-after . 1
-    BENCH_WORKERS_K=${ELEVENTH_K:-24000} scaleout tensors-after 130 tensors-after \
-      "group.initial.rebalance.delay.ms=3000" --only resnet50-tensor --ns 16 --ceilings "" \
-      --budget-s 120
-  elif [ "$PART" = eleventh ]; then
-    export BENCH_WORKERS_K=${ELEVENTH_K:-24000}
-    (cd .ab/head && PYTHONPATH=/tmp/site:$PWD scaleout tensors-before 130 tensors-before \
-      "group.initial.rebalance.delay.ms=3000" --only resnet50-tensor --ns 16 --ceilings "" \
-      --budget-s 120)
-    scaleout tensors-after 130 tensors-after "group.initial.rebalance.delay.ms=3000" \
-      --only resnet50-tensor --ns 16 --ceilings "" --budget-s 120
-    unset BENCH_WORKERS_K
-    p99 digits-p99-after . 1
-  else
-    p99 digits-p99-before .ab/head 1
-    p99 digits-p99-after . 1
-    [ "${ELEVENTH_GCON:-1}" = 1 ] && p99 digits-p99-after-gcon . 0
-  fi
+  tensors() {  # name tree(. or .ab/head): ResNet-50 tensors at N = 16, K = ELEVENTH_K
+    (cd "$2" && BENCH_WORKERS_K=${ELEVENTH_K:-24000} PYTHONPATH=/tmp/site:$PWD scaleout \
+      "$1" 130 "$1" "group.initial.rebalance.delay.ms=3000" --only resnet50-tensor --ns 16 \
+      --ceilings "" --budget-s 120)
+  }
+  case $PART in
+    eleventh-tb) tensors tensors-before .ab/head ;;  # the tensors before alone
+    eleventh-min) p99 digits-p99-after . 1; tensors tensors-after . ;;
+    eleventh-one) p99 digits-p99-before .ab/head 1; p99 digits-p99-after . 1
+                  tensors tensors-after . ;;
+    eleventh) tensors tensors-before .ab/head; tensors tensors-after .
+              p99 digits-p99-after . 1 ;;
+    *) p99 digits-p99-before .ab/head 1; p99 digits-p99-after . 1
+       [ "${ELEVENTH_GCON:-1}" = 1 ] && p99 digits-p99-after-gcon . 0 ;;
+  esac
 elif [ "$PART" = jpeg16 ]; then
   # Eighth session, the device time left after paced-short: camera JPEGs at N = 16 only,
   # against the decode + infer ceiling and the small-result relays (GPU busy: 78 % before).
