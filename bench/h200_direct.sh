@@ -30,6 +30,9 @@
 # eleventh: tensors N = 16 with .ab/head (no sub-batch split) and this tree in one call, then
 #          digits p99 at 70 % (eleventh session); eleventh-b: digits p99 at 70 % with
 #          .ab/head's worker, this tree's with the benchmark's collector on, then quiet;
+# twelfth: digits p99 at 70 % with the open loop's generator in its own process, then in the
+#          collector's event loop, then the worker with 16 KiB fetches; twelfth-b: the first
+#          again, then the tensors at N = 16 (twelfth session);
 # groups:  digits and JPEGs at N = 8, 16 on a broker with Kafka's default initial rebalance
 #          delay (3 s), then N = 16 with the test brokers' 0 (BENCH_KAFKA_PROPS).
 # Every step has its own timeout, so the call ends inside the device tool's limit. Writes
@@ -263,10 +266,35 @@ elif [ "$PART" = jpeg16 ]; then
   # against the decode + infer ceiling and the small-result relays (GPU busy: 78 % before).
   scaleout jpeg16 300 jpeg16 "group.initial.rebalance.delay.ms=3000" \
     --only resnet50-jpeg --ns 16 --ceilings aiokafka --budget-s 280
+elif [ "$PART" = twelfth ] || [ "$PART" = twelfth-b ]; then
+  # Twelfth session: the open loop's generator in a process of its own (bench.load
+  # GeneratorProcess) against the old one-event-loop harness (BENCH_GENERATOR=inline), same
+  # tree, same call; then the worker with fetches that wait for 16 KiB / 3 ms under the new
+  # harness (~8 min). twelfth-b: the new harness again (noise), then the ResNet-50 tensors
+  # at N = 16, K = TWELFTH_K (24,000) (~6 min).
+  p99() {  # name, then NAME=value environment of the step
+    local name=$1; shift
+    mkdir -p "$W/$name"
+    step "$name" 170 env STREAMAPP_INTAKE=direct BENCH_SKIP=anchor,exactly_once,policy \
+      BENCH_OL_S=8 "$@" python3 -m bench run --profile gpu --broker kafka --only digits \
+      --no-backlog --no-scaleout --profile-open-loop --budget-s 145 --out "$W/$name" \
+      --logs "$W/$name/logs"
+  }
+  if [ "$PART" = twelfth ]; then
+    p99 digits-p99-process BENCH_GENERATOR=process
+    p99 digits-p99-inline BENCH_GENERATOR=inline
+    p99 digits-p99-fetch16k BENCH_GENERATOR=process STREAMAPP_FETCH_MIN_BYTES=16384 \
+      STREAMAPP_FETCH_MAX_WAIT_MS=3
+  else
+    p99 digits-p99-process2 BENCH_GENERATOR=process
+    BENCH_WORKERS_K=${TWELFTH_K:-24000} scaleout tensors 130 tensors \
+      "group.initial.rebalance.delay.ms=3000" --only resnet50-tensor --ns 16 --ceilings "" \
+      --budget-s 120
+  fi
 else
   echo "unknown part $PART (hotpath, jpeg, groups, groups2, profile, jpeg2, jpeg3, tensors," \
     "tprofile, paced, paced-short, jpeg16, p99, fetch, fetch64, tenth, tenth-b, tenth-ab," \
-    "eleventh, eleventh-b, eleventh-one or eleventh-min)" >&2
+    "eleventh, eleventh-b, eleventh-one, eleventh-min, twelfth or twelfth-b)" >&2
   exit 2
 fi
 tar czf "$OUT/$PART.tgz" -C "$W" . 2>/dev/null

@@ -6,7 +6,9 @@ Three drivers, each one asyncio coroutine in the benchmark process:
   saturation throughput in steady state without an unbounded backlog;
 * :func:`open_loop`: sends at a fixed rate on a schedule; each request's ``ts`` is its
   *scheduled* send time, so a generator that falls behind cannot hide queueing (coordinated
-  omission); latency is result arrival − ``ts``;
+  omission); latency is result arrival − ``ts``. Given a payload factory, the generator runs
+  in a process of its own (:class:`GeneratorProcess`), so that neither it nor the collector
+  waits for the other's Python;
 * :func:`transport`: produce ``n`` payloads as fast as possible and consume them back from the
   same topic, in one process: the transport ceiling.
 
@@ -20,8 +22,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import multiprocessing
 import os
 import time
+import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,10 +35,13 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from streamapp.tasks import cancel_and_wait
 
-__all__ = ["PROBE_KEY", "Collector", "closed_loop", "open_loop", "percentiles", "produce_only",
-           "quiet_gc", "transport", "transport_options"]
+__all__ = ["PROBE_KEY", "Collector", "GeneratorProcess", "closed_loop", "open_loop",
+           "percentiles", "produce_only", "quiet_gc", "transport", "transport_options"]
 
 PayloadFn = Callable[[int, float], tuple[bytes, bytes]]
+#: Builds a :data:`PayloadFn` in another process (picklable: a module-level function or a
+#: ``functools.partial`` of one, e.g. :meth:`bench.workloads.Workload.payload_factory`).
+PayloadFactory = Callable[[], PayloadFn]
 ParseFn = Callable[[bytes], tuple[Any, ...]]
 
 #: Key of readiness probes; collectors skip records with this key.
@@ -341,33 +348,149 @@ async def closed_loop(
         await collector.stop()
 
 
+class GeneratorProcess:
+    """The open loop's generator in a process of its own (``spawn``): it builds its payloads
+    with ``factory``, starts an aiokafka producer, and on :meth:`run` sends ``n`` requests
+    at ``rate``/s with :func:`send_paced` from the epoch it is given.
+
+    Why a process: in one event loop with the collector, the generator fell 0.6–1.0 s
+    behind its schedule at 6,500–7,500 requests/s on the H100 host, and the benchmark
+    process was 100 % busy during the plain aiokafka round trip whose p99 is the budget's
+    transport term (issue 17, eleventh session). A late generator sends in bursts and its
+    lateness counts as latency (``ts`` is the scheduled time), so the harness measured itself.
+
+    :meth:`start` waits until its producer is connected; :meth:`stop` ends it. Both
+    :meth:`start` and :meth:`run` raise RuntimeError when the process fails (its traceback in
+    the message), dies or says nothing in time.
+    """
+
+    def __init__(self, bootstrap: str, topic: str, factory: PayloadFactory, *, rate: float,
+                 n: int, producer_options: Mapping[str, Any] | None = None) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._process = ctx.Process(
+            target=_generator_main, name="bench-generator", daemon=True,
+            args=(child, bootstrap, topic, factory, rate, n, dict(producer_options or {})))
+        self._child = child
+
+    async def _recv(self, timeout_s: float) -> Any:
+        loop = asyncio.get_running_loop()
+        ready = await loop.run_in_executor(None, self._conn.poll, timeout_s)
+        if not ready:
+            raise RuntimeError(f"the generator process said nothing in {timeout_s:.0f} s")
+        try:
+            kind, value = self._conn.recv()
+        except EOFError:
+            self._process.join(5)
+            raise RuntimeError("the generator process died (exit code "
+                               f"{self._process.exitcode})") from None
+        if kind == "error":
+            raise RuntimeError(f"the generator process failed:\n{value}")
+        return value
+
+    async def start(self, timeout_s: float = 120.0) -> GeneratorProcess:
+        self._process.start()
+        self._child.close()
+        await self._recv(timeout_s)
+        return self
+
+    async def run(self, start: float, timeout_s: float) -> dict[str, Any]:
+        """Send from epoch ``start``; returns ``{"sent", "failed", "max_behind_s",
+        "send_end", "bench_gc"}`` once every send is acknowledged."""
+        self._conn.send(start)
+        return await self._recv(timeout_s)
+
+    async def stop(self) -> None:
+        self._conn.close()
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self._process.join, 10)
+        if self._process.is_alive():
+            self._process.kill()
+
+
+def _generator_main(conn: Any, bootstrap: str, topic: str, factory: PayloadFactory,
+                    rate: float, n: int, producer_options: dict[str, Any]) -> None:
+    """The body of :class:`GeneratorProcess` (in the child)."""
+    try:
+        asyncio.run(_generate(conn, bootstrap, topic, factory(), rate, n, producer_options))
+    except BaseException:  # the parent reports it
+        with contextlib.suppress(OSError):
+            conn.send(("error", traceback.format_exc()))
+    finally:
+        conn.close()
+
+
+async def _generate(conn: Any, bootstrap: str, topic: str, payload: PayloadFn, rate: float,
+                    n: int, producer_options: dict[str, Any]) -> None:
+    producer = _producer(bootstrap, producer_options)
+    await producer.start()
+    try:
+        sender = _Sender(producer, topic, payload)
+        conn.send(("ready", None))
+        start = conn.recv()  # blocks this loop until the parent says when: nothing is due yet
+        gc_out: dict[str, Any] = {}
+        with quiet_gc(gc_out):
+            behind = await send_paced(sender, rate, n, start)
+            send_end = time.time()
+            await sender.flush()
+        conn.send(("done", {"sent": sender.sent, "failed": sender.failed,
+                            "max_behind_s": behind, "send_end": send_end, **gc_out}))
+    finally:
+        await producer.stop()
+
+
 async def open_loop(
     bootstrap: str, request_topic: str, outcome_topics: Sequence[str], payload: PayloadFn,
     parse: ParseFn, *, rate: float, warmup_s: float, duration_s: float, drain_s: float,
     producer_options: Mapping[str, Any] | None = None,
+    payload_factory: PayloadFactory | None = None,
 ) -> dict[str, Any]:
     """Send at ``rate``/s for ``warmup_s + duration_s`` (``ts`` = scheduled time), wait up to
     ``drain_s`` for the outcomes, and report the latency of requests scheduled in the measured
-    window (arrival − ts, so queueing behind a late generator counts)."""
+    window (arrival − ts, so queueing behind a late generator counts).
+
+    With ``payload_factory`` (it must build the same payloads as ``payload``) the generator
+    runs in a :class:`GeneratorProcess` and this process only collects, unless
+    ``BENCH_GENERATOR=inline`` (one event loop for both, as every run before the eleventh
+    session's measured). ``generator`` in the result says which ran; ``generator_gc`` gives
+    the generator process's collections (none: its collector is off, :func:`quiet_gc`).
+    """
     # min_ts from the start: the collector reads from the beginning at once, and outcomes of
     # an earlier run on the same topics (smoke: the saturation run's) must not count as this
     # run's while the producer starts (under load they made a level "complete" with none of
     # its own results read).
     collector = await Collector(bootstrap, outcome_topics, parse, min_ts=time.time()).start()
-    producer = _producer(bootstrap, dict(producer_options or {}))
-    await producer.start()
-    sender = _Sender(producer, request_topic, payload)
     total = max(1, int(rate * (warmup_s + duration_s)))
-    gc_out: dict[str, Any] = {}
+    separate = payload_factory is not None and os.environ.get("BENCH_GENERATOR") != "inline"
+    generator: GeneratorProcess | None = None
+    producer: AIOKafkaProducer | None = None
+    gc_out: dict[str, Any] = {"generator": "process" if separate else "inline"}
     try:
+        if separate:
+            assert payload_factory is not None
+            generator = await GeneratorProcess(bootstrap, request_topic, payload_factory,
+                                               rate=rate, n=total,
+                                               producer_options=producer_options).start()
+        else:
+            producer = _producer(bootstrap, dict(producer_options or {}))
+            await producer.start()
+        sender = _Sender(producer, request_topic, payload) if producer else None
         with quiet_gc(gc_out):  # first: its collection must not eat into the schedule
             start = time.time() + 0.05
             # Outcomes of earlier runs on this topic do not count; 1 ms of slack because a
             # result's ts is reconstructed from e2e_ms, which is rounded to the microsecond.
             collector.min_ts = start - 0.001
-            max_behind = await send_paced(sender, rate, total, start)
-            send_end = time.time()
-            await sender.flush()
+            if generator is not None:
+                sent = await generator.run(start, warmup_s + duration_s + 120.0)
+                max_behind, send_end = sent["max_behind_s"], sent["send_end"]
+                n_sent, n_failed = sent["sent"], sent["failed"]
+                gc_out["generator_gc"] = sent["bench_gc"]
+            else:
+                assert sender is not None
+                max_behind = await send_paced(sender, rate, total, start)
+                send_end = time.time()
+                await sender.flush()
+                n_sent, n_failed = sender.sent, sender.failed
             complete = await collector.wait_count(total, drain_s, fresh=True)
         ts = np.asarray(collector.req_ts)
         arr = np.asarray(collector.arrivals)
@@ -375,9 +498,9 @@ async def open_loop(
         sel = (ts >= t0) & (ts < t1)
         lat = ((arr - ts) * 1000.0)[sel]
         out: dict[str, Any] = {
-            "mode": "open_loop", "rate": rate, "sent": sender.sent,
-            "send_rate": sender.sent / max(send_end - start, 1e-9),
-            "send_failures": sender.failed, "outcomes": collector.fresh,
+            "mode": "open_loop", "rate": rate, "sent": n_sent,
+            "send_rate": n_sent / max(send_end - start, 1e-9),
+            "send_failures": n_failed, "outcomes": collector.fresh,
             "complete": complete, "missing": total - collector.fresh,
             "dead_letters_or_other": collector.other, "parse_errors": collector.parse_errors,
             "generator_max_behind_ms": max_behind * 1000.0,
@@ -396,7 +519,10 @@ async def open_loop(
                 for i, name in enumerate(("queue", "infer", "e2e")) if len(stages)}
         return out
     finally:
-        await producer.stop()
+        if generator is not None:
+            await generator.stop()
+        if producer is not None:
+            await producer.stop()
         await collector.stop()
 
 

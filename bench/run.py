@@ -257,13 +257,15 @@ class Bench:
                     res = _run(load.open_loop(
                         broker.bootstrap_servers, source, [sink], wl.payload, forwarded_parse,
                         rate=rate, warmup_s=plan.ol_warmup_s, duration_s=plan.ol_s,
-                        drain_s=plan.drain_s, producer_options=plan.producer))
+                        drain_s=plan.drain_s, producer_options=plan.producer,
+                        payload_factory=wl.payload_factory()))
                 res["utilisation"] = sampler.summary(res["t0"], res["t1"])
             finally:
                 fleet.stop()
         self.log(f"  aiokafka round trip at {rate:,.0f}/s (one relay client): p50 "
                  f"{_f(res['p50_ms'])} p99 {_f(res['p99_ms'])} ms"
-                 + ("" if res["complete"] else f", MISSING {res['missing']}"))
+                 + ("" if res["complete"] else f", MISSING {res['missing']}")
+                 + f"; {_generator(res)}")
         if res.get("stages_ms"):
             self.log("    in the worker (the result's own fields), p50/p99 ms: " + ", ".join(
                 f"{k} {_f(v['p50'])}/{_f(v['p99'])}" for k, v in res["stages_ms"].items()))
@@ -338,7 +340,7 @@ class Bench:
                 broker.bootstrap_servers, topics["request"],
                 [topics["result"], topics["dlq"]], wl.payload, result_parse, rate=rate,
                 warmup_s=plan.ol_warmup_s, duration_s=plan.ol_s, drain_s=plan.drain_s,
-                producer_options=plan.producer))
+                producer_options=plan.producer, payload_factory=wl.payload_factory()))
         res["utilisation"] = sampler.summary(res["t0"], res["t1"])
         if profiled:
             res["profile"] = summary
@@ -372,7 +374,8 @@ class Bench:
                  f"{_f(res.get('mean_batch'), '.1f')}, worker CPU "
                  f"{util.get('cpu_pct', {}).get('worker')} %"
                  + (f", GPU {util['gpu_util_pct']} %" if "gpu_util_pct" in util else "")
-                 + ("" if res["complete"] else f", MISSING {res['missing']}"))
+                 + ("" if res["complete"] else f", MISSING {res['missing']}")
+                 + f"; {_generator(res)}")
         if res.get("stages_ms"):
             self.log("    in the worker (the result's own fields), p50/p99 ms: " + ", ".join(
                 f"{k} {_f(v['p50'])}/{_f(v['p99'])}" for k, v in res["stages_ms"].items()))
@@ -737,6 +740,12 @@ def environment() -> dict[str, Any]:
     except Exception:
         pass
     return env
+
+
+def _generator(res: Mapping[str, Any]) -> str:
+    """How late an open loop's generator was, and where it ran (the harness's own error)."""
+    return (f"generator {res.get('generator', 'inline')}, at most "
+            f"{_f(res.get('generator_max_behind_ms'))} ms behind its schedule")
 
 
 def _cpu_model() -> str:

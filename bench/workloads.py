@@ -10,8 +10,8 @@ from __future__ import annotations
 import io
 import json
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from functools import cache
+from dataclasses import dataclass, replace
+from functools import cache, partial
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,8 @@ class Workload:
         payload: ``(n, ts) -> (key, value)``.
         payload_bytes: Mean value size.
         describe: One line for the report.
+        factory: Builds this workload again, in another process (picklable: the generator
+            of :func:`bench.load.open_loop` runs in a process of its own).
     """
 
     name: str
@@ -47,6 +49,15 @@ class Workload:
     payload: Callable[[int, float], tuple[bytes, bytes]]
     payload_bytes: int
     describe: str
+    factory: Callable[[], Workload] | None = None
+
+    def payload_factory(self) -> Callable[[], Callable[[int, float], tuple[bytes, bytes]]] | None:
+        """A picklable callable that rebuilds :attr:`payload` (None: not rebuildable)."""
+        return None if self.factory is None else partial(_payload_of, self.factory)
+
+
+def _payload_of(factory: Callable[[], Workload]) -> Callable[[int, float], tuple[bytes, bytes]]:
+    return factory().payload
 
 
 def _payload_fn(model: str, inputs: list[dict[str, Any]], run: str, devices: int = DEVICES,
@@ -128,7 +139,16 @@ def workload(name: str, *, run: str, models_dir: Path | None = None,
              fields: Mapping[str, Any] | None = None) -> Workload:
     """Build a workload; ``run`` prefixes request ids; requests cycle over ``devices`` keys;
     ``fields`` are added to every request (e.g. ``{"deadline": 60000.0}``: the queue policy
-    on, issue 20)."""
+    on, issue 20). The result's :attr:`Workload.factory` builds the same one again."""
+    built = _workload(name, run=run, models_dir=models_dir, tensor_dtype=tensor_dtype,
+                      devices=devices, fields=fields)
+    return replace(built, factory=partial(
+        workload, name, run=run, models_dir=models_dir, tensor_dtype=tensor_dtype,
+        devices=devices, fields=dict(fields) if fields else None))
+
+
+def _workload(name: str, *, run: str, models_dir: Path | None, tensor_dtype: str, devices: int,
+              fields: Mapping[str, Any] | None) -> Workload:
     if name == "digits":
         inputs = _digits_inputs()
         return _make(name, "digits", None, inputs, run,

@@ -54,6 +54,7 @@ def _kafka_side(results: dict[str, Any], report: str) -> None:
     assert saturation["settings"]["broker_kind"] == "kafka"
     level = digits["open_loop"][0]
     assert level["complete"] and level["p99_ms"] is not None and level["p99_ms"] > 0
+    assert level["generator"] == "process" and level["sent"] == level["outcomes"]
     assert "aiokafka ÷ ProducerPerformance = " in report
     assert "Apache Kafka 4.4.0 beside the embedded broker" in report
 
@@ -73,6 +74,10 @@ def _embedded_side(results: dict[str, Any], report: str, out: Path) -> None:
     assert results["backlog"]["rss_mib_max"] > 0
     roundtrip = digits["roundtrip"]
     assert roundtrip["complete"] and roundtrip["p99_ms"] > 0
+    # The open loops' generators ran in processes of their own, and sent every request.
+    for measured in (level, roundtrip):
+        assert measured["generator"] == "process"
+        assert measured["sent"] == measured["outcomes"] and measured["send_failures"] == 0
 
     series = results["scaleout"]["series"]
     workers = series["digits workers"]["points"]

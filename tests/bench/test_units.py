@@ -291,3 +291,38 @@ def test_quiet_gc_keeps_the_collector_off_while_measuring_and_counts_what_ran(
                                    "max_ms": 0.0}
     else:
         assert out["bench_gc"]["collections"] > 0
+
+
+def test_a_workload_rebuilt_in_another_process_sends_the_same_requests() -> None:
+    """The open loop's generator process rebuilds the workload from its pickled factory:
+    request n at time ts must be the same key and bytes as the benchmark's own."""
+    import pickle
+
+    wl = workload("digits", run="rebuilt", devices=7, fields={"deadline": 500.0})
+    factory = wl.payload_factory()
+    assert factory is not None
+    rebuilt = pickle.loads(pickle.dumps(factory))()
+    for n in (0, 1, 6, 7, 1796, 1797, 40_000):
+        assert rebuilt(n, 1.8e9 + n) == wl.payload(n, 1.8e9 + n)
+    assert rebuilt(3, 1.0) != wl.payload(4, 1.0)
+
+
+def test_the_generator_process_says_why_it_failed() -> None:
+    """A generator whose payloads cannot be built fails the open loop with the child's
+    traceback instead of leaving the measurement waiting."""
+    import asyncio
+    import operator
+    from functools import partial
+
+    from bench.load import GeneratorProcess
+
+    async def start() -> None:
+        gen = GeneratorProcess("127.0.0.1:9", "requests", partial(operator.truediv, 1, 0),
+                               rate=10.0, n=10)
+        try:
+            await gen.start(timeout_s=60.0)
+        finally:
+            await gen.stop()
+
+    with pytest.raises(RuntimeError, match=r"(?s)generator process failed.*ZeroDivisionError"):
+        asyncio.run(start())
