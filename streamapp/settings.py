@@ -209,6 +209,14 @@ UPPER_BOUNDS: dict[str, tuple[float, str]] = {
     "max_dead_letter_value_bytes": (
         64 * _MIB, "a dead letter carries the value base64-encoded, 4/3 as big, in one record",
     ),
+    "table_write_buffer_mib": (
+        1024.0, "each table database may hold two write buffers of this size, and a worker "
+        "has two databases per partition it owns (a value in bytes, 67108864, would be 64 TiB)",
+    ),
+    "table_block_cache_mib": (
+        4096.0, "each table database has a block cache of this size, and a worker has two "
+        "databases per partition it owns (a value in bytes would be terabytes)",
+    ),
     "max_clock_skew_s": (
         _DAY_S, "a larger tolerance would take device clocks off by days as right and measure "
         "their requests' e2e latency from them",
@@ -740,6 +748,24 @@ class Settings(BaseSettings):
     latency_ewma_alpha: float = Field(
         0.1, gt=0, le=1,
         description="Weight of the newest request in each device's latency EWMA.",
+    )
+    table_write_buffer_mib: float = Field(
+        1.0, gt=0,
+        description="Write buffer (memtable) size of each table database, MiB: RocksDB keeps "
+        "at most two per database (one taking writes, one being flushed to disk), and a worker "
+        "opens one database per table (device_stats, device_windows) and partition it owns, so "
+        "its memtables take at most 2 x 2 x partitions x this (64 MiB with all 16 partitions). "
+        "Faust's default, 64 MiB x 3 per database, did not fill in 20 minutes at 400 results/s "
+        "from 300 devices and grew the tables' process by 83 MiB in 270 s (docs/tables.md, "
+        "'Memory'). Not used with processing_guarantee=exactly_once (memory tables)."
+        + _bound("table_write_buffer_mib"),
+    )
+    table_block_cache_mib: float = Field(
+        2.0, gt=0,
+        description="Block cache of each table database, MiB (rows read from disk files; rows "
+        "written lately are read from the write buffers, and the OS page cache keeps the files "
+        "too): at most 2 x partitions owned x this per worker (64 MiB with all 16 partitions). "
+        "Faust's default is 2 GiB per database." + _bound("table_block_cache_mib"),
     )
     table_consistency_check: bool | None = Field(
         None,

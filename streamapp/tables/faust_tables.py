@@ -50,7 +50,10 @@ from streamapp.settings import Settings
 from streamapp.tables.rows import DEVICE_ROWS_CACHED, RowScreen
 from streamapp.tables.store_guard import StoreWriteGuard, TableWriteStatus
 
-__all__ = ["SEAL_KEY", "ChangelogSealer", "FaustDeviceTables", "define_tables"]
+__all__ = [
+    "MAX_WRITE_BUFFERS", "SEAL_KEY", "ChangelogSealer", "FaustDeviceTables", "define_tables",
+    "store_options",
+]
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +64,42 @@ SEAL_KEY = b""
 #: Seconds without table writes after which written changelog partitions are sealed.
 SEAL_IDLE_S = 0.25
 
+#: Write buffers (memtables) a table database keeps: one taking writes and one being flushed
+#: to disk. RocksDB's ``max_write_buffer_number``; Faust 0.15.3 sets 3.
+MAX_WRITE_BUFFERS = 2
+_MIB = 1024 * 1024
+
 _partitioner = DefaultPartitioner()
+
+
+def store_options(settings: Settings) -> dict[str, Any]:
+    """The ``options`` of a device table's RocksDB store: the rocksdict driver and bounded memory.
+
+    Faust 0.15.3 opens one RocksDB database per table and partition
+    (``faust.stores.rocksdb.Store._db_for_partition``) and, unless told otherwise, gives each
+    a 64 MiB write buffer (3 of them) and its own 2 GiB block cache
+    (``faust.stores.rocksdb.RocksDBOptions``). A device row is rewritten at every state flush,
+    and a memtable keeps every version until it reaches its size, so at 400 results/s from
+    300 devices across 16 partitions no memtable filled in 270 s and the worker's memory grew
+    with every byte written (``python -m bench.table_memory``; docs/tables.md, "Memory").
+
+    Faust reads only ``write_buffer_size``, ``max_write_buffer_number``,
+    ``target_file_size_base``, ``block_cache_size``, ``bloom_filter_size``,
+    ``max_open_files`` and ``ttl`` from these options for rocksdict (other keys are ignored
+    silently), and pops ``driver`` out of the dict it is given: one dict per table.
+
+    Args:
+        settings: ``table_write_buffer_mib`` and ``table_block_cache_mib`` (MiB each).
+
+    Returns:
+        A new dict for ``app.Table(..., options=...)``; sizes in bytes.
+    """
+    return {
+        "driver": "rocksdict",
+        "write_buffer_size": round(settings.table_write_buffer_mib * _MIB),
+        "max_write_buffer_number": MAX_WRITE_BUFFERS,
+        "block_cache_size": round(settings.table_block_cache_mib * _MIB),
+    }
 
 
 class ChangelogSealer:
@@ -288,8 +326,9 @@ def define_tables(app: faust.App, settings: Settings) -> FaustDeviceTables:
     """Define ``device_stats`` and ``device_windows`` on ``app`` (before the worker starts).
 
     Both use the RocksDB store through rocksdict (faust-streaming 0.15.3 picks rocksdict when
-    ``options={"driver": "rocksdict"}``), raw byte keys, and as many partitions as the request
-    topic. Values are JSON objects that :class:`FaustDeviceTables` encodes and decodes itself
+    ``options={"driver": "rocksdict"}``) with bounded write buffers and block cache
+    (:func:`store_options`), raw byte keys, and as many partitions as the request topic.
+    Values are JSON objects that :class:`FaustDeviceTables` encodes and decodes itself
     (Faust's raw serializer): Faust's JSON codec raised inside its changelog recovery on a
     value that was not UTF-8 JSON and stopped every table of the worker
     (:mod:`streamapp.tables.rows`). The bytes are the same JSON as before, so existing data
@@ -305,7 +344,8 @@ def define_tables(app: faust.App, settings: Settings) -> FaustDeviceTables:
     # store: a table's own ``store="rocksdb://"`` is an empty, falsy yarl URL that Faust 0.15.3
     # replaces by the app's default (memory); ``rocksdb:<table name>`` is what the app-level
     # default expands to (files ``<datadir>/v1/tables/<name>-<partition>.db``).
-    # options: Faust pops "driver" out of the mapping it is given, so one dict per table.
+    # options: Faust pops "driver" out of the mapping it is given, so one dict per table;
+    # the sizes bound each partition's database (store_options).
     # exactly_once: a memory store, restored from the changelog (read_committed) on every
     # start. A RocksDB store would keep the writes of a transaction that a crash aborted, and
     # count those requests twice when they are processed again.
@@ -314,7 +354,7 @@ def define_tables(app: faust.App, settings: Settings) -> FaustDeviceTables:
     def store(name: str) -> dict[str, Any]:
         if eos:
             return {"store": "memory://"}
-        return {"store": f"rocksdb:{name}", "options": {"driver": "rocksdict"}}
+        return {"store": f"rocksdb:{name}", "options": store_options(settings)}
 
     stats = app.Table(
         STATS_TABLE, **store(STATS_TABLE),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,12 @@ import pytest
 from aiokafka.partitioner import DefaultPartitioner
 
 from streamapp.settings import Settings
-from streamapp.tables.faust_tables import SEAL_KEY, ChangelogSealer, define_tables
+from streamapp.tables.faust_tables import (
+    MAX_WRITE_BUFFERS,
+    SEAL_KEY,
+    ChangelogSealer,
+    define_tables,
+)
 
 
 @dataclass
@@ -56,6 +62,40 @@ def test_tables_use_rocksdb_with_raw_keys_and_raw_json_values(tables: Any) -> No
     with tables.writing(b"cam1", Event(tables.request_topic, 0, b"cam1")):
         tables.set_stats(b"cam1", ROW)
     assert json.loads(tables.stats[b"cam1"]) == ROW  # the same JSON bytes as before
+
+
+def _opened_options(table: Any, partition: int) -> dict[str, int]:
+    """What RocksDB itself says the database of ``partition`` was opened with: its block cache
+    capacity, and the write buffer options of the OPTIONS file RocksDB writes at open."""
+    db = table.data._db_for_partition(partition)
+    newest = sorted(table.data.partition_path(partition).glob("OPTIONS-*"))[-1].read_text()
+    found = dict(re.findall(r"^\s*(write_buffer_size|max_write_buffer_number)=(\d+)$", newest,
+                            re.M))
+    return {"block_cache": db.property_int_value("rocksdb.block-cache-capacity"),
+            **{name: int(value) for name, value in found.items()}}
+
+
+def test_each_partition_database_opens_with_the_configured_memory_bounds(tmp_path: Path) -> None:
+    settings = Settings(app_id="tables-test", topic_partitions=4, data_dir=tmp_path,
+                        table_write_buffer_mib=3, table_block_cache_mib=5)
+    app = faust.App(settings.app_id, broker="kafka://127.0.0.1:1", datadir=str(tmp_path),
+                    topic_partitions=4)
+    tables = define_tables(app, settings)
+    for table in (tables.stats, tables.windows):
+        for partition in (0, 3):
+            assert _opened_options(table, partition) == {
+                "block_cache": 5 * 1024 * 1024, "write_buffer_size": 3 * 1024 * 1024,
+                "max_write_buffer_number": MAX_WRITE_BUFFERS,
+            }
+
+
+def test_by_default_the_databases_are_bounded_not_faust_sized(tables: Any) -> None:
+    # Faust 0.15.3 alone: a 2 GiB block cache and 3 write buffers of 64 MiB per database
+    for table in (tables.stats, tables.windows):
+        assert _opened_options(table, 1) == {
+            "block_cache": 2 * 1024 * 1024, "write_buffer_size": 1024 * 1024,
+            "max_write_buffer_number": 2,
+        }
 
 
 def test_a_request_topic_event_decides_the_partition_of_the_write(tables: Any) -> None:
