@@ -391,7 +391,11 @@ class GeneratorProcess:
     async def start(self, timeout_s: float = 120.0) -> GeneratorProcess:
         self._process.start()
         self._child.close()
-        await self._recv(timeout_s)
+        try:
+            await self._recv(timeout_s)
+        except BaseException:
+            await self.stop()
+            raise
         return self
 
     async def run(self, start: float, timeout_s: float) -> dict[str, Any]:
@@ -401,7 +405,10 @@ class GeneratorProcess:
         return await self._recv(timeout_s)
 
     async def stop(self) -> None:
+        """End the process (idempotent; it ends on its own once the pipe closes)."""
         self._conn.close()
+        if self._process.pid is None:
+            return
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, self._process.join, 10)
         if self._process.is_alive():

@@ -316,13 +316,8 @@ def test_the_generator_process_says_why_it_failed() -> None:
 
     from bench.load import GeneratorProcess
 
-    async def start() -> None:
-        gen = GeneratorProcess("127.0.0.1:9", "requests", partial(operator.truediv, 1, 0),
-                               rate=10.0, n=10)
-        try:
-            await gen.start(timeout_s=60.0)
-        finally:
-            await gen.stop()
-
+    gen = GeneratorProcess("127.0.0.1:9", "requests", partial(operator.truediv, 1, 0),
+                           rate=10.0, n=10)
     with pytest.raises(RuntimeError, match=r"(?s)generator process failed.*ZeroDivisionError"):
-        asyncio.run(start())
+        asyncio.run(gen.start(timeout_s=60.0))
+    assert gen._process.exitcode is not None  # start() ended the process it started
