@@ -266,7 +266,7 @@ elif [ "$PART" = jpeg16 ]; then
   # against the decode + infer ceiling and the small-result relays (GPU busy: 78 % before).
   scaleout jpeg16 300 jpeg16 "group.initial.rebalance.delay.ms=3000" \
     --only resnet50-jpeg --ns 16 --ceilings aiokafka --budget-s 280
-elif [ "$PART" = twelfth ] || [ "$PART" = twelfth-b ]; then
+elif [ "$PART" = twelfth ] || [ "$PART" = twelfth-b ] || [ "$PART" = twelfth-c ]; then
   # Twelfth session: the open loop's generator in a process of its own (bench.load
   # GeneratorProcess) against the old one-event-loop harness (BENCH_GENERATOR=inline), same
   # tree, same call; then the worker with fetches that wait for 16 KiB / 3 ms under the new
@@ -280,7 +280,18 @@ elif [ "$PART" = twelfth ] || [ "$PART" = twelfth-b ]; then
       --no-backlog --no-scaleout --profile-open-loop --budget-s 145 --out "$W/$name" \
       --logs "$W/$name/logs"
   }
-  if [ "$PART" = twelfth ]; then
+  if [ "$PART" = twelfth-c ]; then
+    # Where the worker's CPU goes outside Python (py-spy saw its event loop 39 % busy at a
+    # process CPU of 102 %): every thread's CPU while the p99 step runs, then the same with
+    # one OpenMP/BLAS thread.
+    for v in default omp1; do
+      python3 -m bench.thread_cpu "streamapp worker" --seconds 115 > "$W/threads-$v.log" 2>&1 &
+      if [ $v = default ]; then p99 digits-p99-threads BENCH_GENERATOR=process
+      else p99 digits-p99-omp1 BENCH_GENERATOR=process OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 \
+        OPENBLAS_NUM_THREADS=1; fi
+      wait; sort -t';' -k1 "$W/threads-$v.log" | tail -30 >> "$OUT/$PART.log"
+    done
+  elif [ "$PART" = twelfth ]; then
     p99 digits-p99-process BENCH_GENERATOR=process
     p99 digits-p99-inline BENCH_GENERATOR=inline
     p99 digits-p99-fetch16k BENCH_GENERATOR=process STREAMAPP_FETCH_MIN_BYTES=16384 \
