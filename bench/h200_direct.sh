@@ -284,7 +284,7 @@ elif [ "$PART" = twelfth ] || [ "$PART" = twelfth-b ] || [ "$PART" = twelfth-c ]
     # Where the worker's CPU goes outside Python (py-spy saw its event loop 39 % busy at a
     # process CPU of 102 %): every thread's CPU while the p99 step runs, then the same with
     # one OpenMP/BLAS thread.
-    for v in default omp1; do
+    for v in ${TWELFTH_C:-default omp1}; do
       python3 -m bench.thread_cpu "streamapp worker" --seconds 115 > "$W/threads-$v.log" 2>&1 &
       if [ $v = default ]; then p99 digits-p99-threads BENCH_GENERATOR=process
       else p99 digits-p99-omp1 BENCH_GENERATOR=process OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 \
