@@ -400,7 +400,8 @@ class GeneratorProcess:
 
     async def run(self, start: float, timeout_s: float) -> dict[str, Any]:
         """Send from epoch ``start``; returns ``{"sent", "failed", "max_behind_s",
-        "send_end", "bench_gc"}`` once every send is acknowledged."""
+        "send_end", "cpu_pct", "bench_gc"}`` once every send is acknowledged (``cpu_pct``:
+        the process's CPU from ``start`` to its last send, % of one core)."""
         self._conn.send(start)
         return await self._recv(timeout_s)
 
@@ -437,11 +438,14 @@ async def _generate(conn: Any, bootstrap: str, topic: str, payload: PayloadFn, r
         start = conn.recv()  # blocks this loop until the parent says when: nothing is due yet
         gc_out: dict[str, Any] = {}
         with quiet_gc(gc_out):
+            cpu0 = time.process_time()
             behind = await send_paced(sender, rate, n, start)
             send_end = time.time()
+            cpu_pct = 100.0 * (time.process_time() - cpu0) / max(send_end - start, 1e-9)
             await sender.flush()
         conn.send(("done", {"sent": sender.sent, "failed": sender.failed,
-                            "max_behind_s": behind, "send_end": send_end, **gc_out}))
+                            "max_behind_s": behind, "send_end": send_end,
+                            "cpu_pct": round(cpu_pct, 1), **gc_out}))
     finally:
         await producer.stop()
 
@@ -458,9 +462,10 @@ async def open_loop(
 
     With ``payload_factory`` (it must build the same payloads as ``payload``) the generator
     runs in a :class:`GeneratorProcess` and this process only collects, unless
-    ``BENCH_GENERATOR=inline`` (one event loop for both, as every run before the eleventh
-    session's measured). ``generator`` in the result says which ran; ``generator_gc`` gives
-    the generator process's collections (none: its collector is off, :func:`quiet_gc`).
+    ``BENCH_GENERATOR=inline`` (one event loop for both, as every run before the twelfth
+    session measured). ``generator`` in the result says which ran; ``generator_gc`` gives
+    the generator process's collections (none: its collector is off, :func:`quiet_gc`) and
+    ``generator_cpu_pct`` its CPU while it sent (% of one core, all its threads).
     """
     # min_ts from the start: the collector reads from the beginning at once, and outcomes of
     # an earlier run on the same topics (smoke: the saturation run's) must not count as this
@@ -492,6 +497,7 @@ async def open_loop(
                 max_behind, send_end = sent["max_behind_s"], sent["send_end"]
                 n_sent, n_failed = sent["sent"], sent["failed"]
                 gc_out["generator_gc"] = sent["bench_gc"]
+                gc_out["generator_cpu_pct"] = sent["cpu_pct"]
             else:
                 assert sender is not None
                 max_behind = await send_paced(sender, rate, total, start)

@@ -744,8 +744,10 @@ def environment() -> dict[str, Any]:
 
 def _generator(res: Mapping[str, Any]) -> str:
     """How late an open loop's generator was, and where it ran (the harness's own error)."""
-    return (f"generator {res.get('generator', 'inline')}, at most "
-            f"{_f(res.get('generator_max_behind_ms'))} ms behind its schedule")
+    cpu = res.get("generator_cpu_pct")
+    return (f"generator {res.get('generator', 'inline')}"
+            + (f" ({cpu:.0f} % CPU)" if cpu is not None else "")
+            + f", at most {_f(res.get('generator_max_behind_ms'))} ms behind its schedule")
 
 
 def _cpu_model() -> str:

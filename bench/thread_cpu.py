@@ -3,8 +3,10 @@ line contains PATTERN, per interval, from ``/proc/PID/task/TID/stat`` (Linux).
 
 py-spy sees only Python frames; a thread that burns CPU in native code without Python on its
 stack (OpenMP or BLAS workers spinning, a CUDA driver thread, RocksDB's background threads)
-shows up here, by the name the thread gave itself. Prints one line per interval with the
-threads above ``--min-pct`` % of one core, busiest first, until ``--seconds`` have passed.
+shows up here, by the name the thread gave itself and its native id (the id py-spy prints), and
+so does time in the kernel (system CPU: sockets, futexes). Prints one line per process and
+interval: its user and system CPU, then the threads above ``--min-pct`` % of one core,
+busiest first, until ``--seconds`` have passed.
 """
 
 from __future__ import annotations
@@ -19,17 +21,17 @@ __all__ = ["sample", "thread_times"]
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
-def thread_times(pid: int) -> dict[str, float]:
-    """``{"name/tid": cpu seconds}`` of each thread of ``pid`` (empty if it is gone)."""
-    out: dict[str, float] = {}
+def thread_times(pid: int) -> dict[str, tuple[float, float]]:
+    """``{"name/tid": (user s, system s)}`` of each thread of ``pid`` (empty if it is gone)."""
+    out: dict[str, tuple[float, float]] = {}
     for task in Path(f"/proc/{pid}/task").glob("*"):
         try:
             stat = (task / "stat").read_text()
         except OSError:
             continue
         name = stat[stat.index("(") + 1: stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2:].split()
-        out[f"{name}/{task.name}"] = (int(fields[11]) + int(fields[12])) / _TICK
+        fields = stat[stat.rindex(")") + 2:].split()  # fields[11], [12]: utime, stime
+        out[f"{name}/{task.name}"] = (int(fields[11]) / _TICK, int(fields[12]) / _TICK)
     return out
 
 
@@ -46,8 +48,9 @@ def _pids(pattern: str) -> list[int]:
 
 
 def sample(pattern: str, seconds: float, interval: float, min_pct: float) -> None:
-    """Print the busy threads of the matching processes every ``interval`` s."""
-    before: dict[int, dict[str, float]] = {}
+    """Print the busy threads of the matching processes every ``interval`` s: the process's
+    user and system CPU (% of one core), then each thread's user + system."""
+    before: dict[int, dict[str, tuple[float, float]]] = {}
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         now = {pid: thread_times(pid) for pid in _pids(pattern)}
@@ -55,12 +58,16 @@ def sample(pattern: str, seconds: float, interval: float, min_pct: float) -> Non
             old = before.get(pid)
             if old is None:
                 continue
-            busy = sorted(((100 * (t - old.get(k, t)) / interval, k)
-                           for k, t in threads.items()), reverse=True)
-            total = sum(p for p, _ in busy)
+            user = sys_ = 0.0
+            busy = []
+            for k, (u, s) in threads.items():
+                u0, s0 = old.get(k, (u, s))
+                user, sys_ = user + u - u0, sys_ + s - s0
+                busy.append((100 * (u - u0 + s - s0) / interval, k))
+            busy.sort(reverse=True)
             shown = ", ".join(f"{k} {p:.0f}" for p, k in busy if p >= min_pct)
-            print(f"{time.strftime('%H:%M:%S')} pid {pid}: {total:.0f} % in all; {shown}",
-                  flush=True)
+            print(f"{time.strftime('%H:%M:%S')} pid {pid}: user {100 * user / interval:.0f} "
+                  f"% + system {100 * sys_ / interval:.0f} %; {shown}", flush=True)
         before = now
         time.sleep(interval)
 
