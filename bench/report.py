@@ -187,6 +187,7 @@ def format_kafka(results: Mapping[str, Any]) -> list[str]:
                     f"compute {r['batch_compute_ms']:.1f} + aiokafka round trip p99 "
                     f"{r['roundtrip_p99_ms']:.1f} ms = {r['p99_budget_ms']:.1f} ms) = "
                     f"{r['p99_over_budget']:.2f} (target ≤ 1)")
+            lines.extend(_generators(k))
         lines.extend(_format_exactly_once(k.get("exactly_once")))
         a = k.get("anchor")
         if a:
@@ -212,6 +213,18 @@ def format_kafka(results: Mapping[str, Any]) -> list[str]:
                     f"aiokafka produce+consume ceiling ÷ ProducerPerformance = "
                     f"{r.get('ceiling_over_java', 0):.2f}")
     return lines
+
+
+def _generators(w: Mapping[str, Any]) -> list[str]:
+    """Where each open loop's generator ran and how late it was (the harness's own error:
+    latency counts from the scheduled send time)."""
+    runs = [(f"{o['level']:.0%}", o) for o in w.get("open_loop", [])]
+    if w.get("roundtrip"):
+        runs.append(("round trip", w["roundtrip"]))
+    parts = [f"{name}: {o.get('generator', 'inline')}, at most "
+             f"{_f(o.get('generator_max_behind_ms'), '.1f')} ms behind" for name, o in runs]
+    return ["  open-loop generators (ts = scheduled send time): " + "; ".join(parts)] \
+        if parts else []
 
 
 def _format_exactly_once(eos: Mapping[str, Any] | None) -> list[str]:
@@ -317,6 +330,7 @@ def format_report(results: Mapping[str, Any]) -> str:
                     "worker": rt.get("utilisation", {}).get("cpu_pct", {}).get("relay"),
                     **{k: v for k, v in rt.get("utilisation", {}).get("cpu_pct", {}).items()
                        if k != "relay"}}}})
+        lines.extend(_generators(w))
         if sat and sat.get("batch_hist"):
             hist = sorted(sat["batch_hist"].items(), key=lambda kv: -kv[1])[:6]
             lines.append("  batch sizes at saturation (size: requests): "

@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import platform
+import shutil
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
@@ -641,12 +642,17 @@ class Bench:
             out["send_failures"] = produced
             import streamapp.process as sp
 
+            # This run's own data dir: one left by an earlier run in the same --logs holds
+            # another app's tables, and the worker rightly refuses it (make bench-smoke twice).
+            data_dir = self.logs / f"data-{prefix.rstrip('.')}"
             proc = sp.WorkerProcess(
                 {"broker": broker.url, "broker_kind": "embedded",
                  "app_id": prefix.rstrip("."), "topic_prefix": prefix,
-                 "topic_partitions": plan.partitions, "data_dir": self.logs / "data-backlog",
+                 "topic_partitions": plan.partitions, "data_dir": data_dir,
                  **settings}, log_path=self.logs / "worker-backlog.log")
-            with proc:
+            with contextlib.ExitStack() as cleanup:
+                cleanup.callback(shutil.rmtree, data_dir, ignore_errors=True)
+                cleanup.enter_context(proc)
                 assert proc.process is not None
                 with Sampler({"worker": proc.process.pid, "broker": broker.pid or 0},
                              interval_s=0.5) as sampler:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -35,14 +36,20 @@ def thread_times(pid: int) -> dict[str, tuple[float, float]]:
     return out
 
 
+#: Launchers whose command line holds the pattern of the process they start.
+_WRAPPERS = {"timeout", "env", "bash", "sh", "nohup", "sudo"}
+
+
 def _pids(pattern: str) -> list[int]:
     pids = []
     for proc in Path("/proc").glob("[0-9]*"):
         try:
-            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if pattern in cmd and int(proc.name) != os.getpid():
+        cmd = b" ".join(argv).decode(errors="replace")
+        if pattern in cmd and int(proc.name) != os.getpid() \
+                and os.path.basename(argv[0].decode(errors="replace")) not in _WRAPPERS:
             pids.append(int(proc.name))
     return pids
 
@@ -51,9 +58,11 @@ def sample(pattern: str, seconds: float, interval: float, min_pct: float) -> Non
     """Print the busy threads of the matching processes every ``interval`` s: the process's
     user and system CPU (% of one core), then each thread's user + system."""
     before: dict[int, dict[str, tuple[float, float]]] = {}
+    seen = False
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         now = {pid: thread_times(pid) for pid in _pids(pattern)}
+        seen = seen or bool(now)
         for pid, threads in now.items():
             old = before.get(pid)
             if old is None:
@@ -70,14 +79,22 @@ def sample(pattern: str, seconds: float, interval: float, min_pct: float) -> Non
                   f"% + system {100 * sys_ / interval:.0f} %; {shown}", flush=True)
         before = now
         time.sleep(interval)
+    if not seen:
+        print(f"no process's command line holds {pattern!r}", file=sys.stderr)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("pattern")
-    parser.add_argument("--seconds", type=float, default=120.0)
-    parser.add_argument("--interval", type=float, default=4.0)
-    parser.add_argument("--min-pct", type=float, default=3.0)
+    parser = argparse.ArgumentParser(
+        description="CPU of every thread of the processes whose command line holds PATTERN, "
+        "user and system, per interval (from /proc; Linux).")
+    parser.add_argument("pattern", help="a substring of the command line, e.g. "
+                        "'streamapp worker'")
+    parser.add_argument("--seconds", type=float, default=120.0,
+                        help="how long to sample (s, default 120)")
+    parser.add_argument("--interval", type=float, default=4.0,
+                        help="seconds between samples (default 4)")
+    parser.add_argument("--min-pct", type=float, default=3.0,
+                        help="show threads at or above this %% of one core (default 3)")
     args = parser.parse_args()
     sample(args.pattern, args.seconds, args.interval, args.min_pct)
 

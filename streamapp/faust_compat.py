@@ -564,6 +564,41 @@ def guard_undecodable_batches(source_topics: Iterable[str]) -> None:
     Collection.apply_changelog_batch = without_stand_ins  # type: ignore[method-assign]
 
 
+def open_rocksdict_with_given_options() -> None:
+    """Make Faust's rocksdict stores open an *existing* database with the options Faust was
+    given, as they open a new one.
+
+    Faust 0.15.3 opens each table partition's database with ``rocksdict.Rdict(path,
+    options=..., access_type=...)`` (``faust.stores.rocksdb.RocksDBOptions.open``). Given no
+    ``column_families``, rocksdict 0.3 reads the database's own ``OPTIONS`` file and opens it
+    with those options, not the ones passed: a data directory written before the tables had
+    memory bounds kept Faust's 64 MiB x 3 write buffers, and its block cache fell to
+    rocksdict's 8 MiB default (found by the twelfth session's new-user trial). Passing
+    ``column_families={}`` makes rocksdict use the given options; Faust's stores use only the
+    default column family. Installed once per process; idempotent.
+    """
+    from faust.stores.rocksdb import RocksDBOptions
+
+    if getattr(RocksDBOptions.open, "streamapp_given_options", False):
+        return
+    open_ = RocksDBOptions.open
+
+    def open_with_given_options(self: Any, path: Any, *, read_only: bool = False) -> Any:
+        if not self.use_rocksdict:
+            return open_(self, path, read_only=read_only)
+        import rocksdict
+
+        access = (rocksdict.AccessType.read_write() if self.ttl is None
+                  else rocksdict.AccessType.with_ttl(self.ttl))
+        db = rocksdict.Rdict(str(path), options=self.as_options(), column_families={},
+                             access_type=access)
+        db.set_read_options(rocksdict.ReadOptions())
+        return db
+
+    open_with_given_options.streamapp_given_options = True  # type: ignore[attr-defined]
+    RocksDBOptions.open = open_with_given_options  # type: ignore[method-assign]
+
+
 def screen_changelog(table: Any, screen: Any) -> None:
     """Pass every changelog record ``table`` restores through ``screen`` before it is applied.
 

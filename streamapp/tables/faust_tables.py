@@ -44,6 +44,7 @@ from streamapp.faust_compat import (
     StandInEvent,
     event_context,
     flush_producer,
+    open_rocksdict_with_given_options,
     screen_changelog,
 )
 from streamapp.settings import Settings
@@ -355,6 +356,9 @@ def define_tables(app: faust.App, settings: Settings) -> FaustDeviceTables:
         if eos:
             return {"store": "memory://"}
         return {"store": f"rocksdb:{name}", "options": store_options(settings)}
+
+    if not eos:  # an existing database too opens with these options, not its OPTIONS file's
+        open_rocksdict_with_given_options()
 
     stats = app.Table(
         STATS_TABLE, **store(STATS_TABLE),

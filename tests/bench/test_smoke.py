@@ -78,6 +78,7 @@ def _embedded_side(results: dict[str, Any], report: str, out: Path) -> None:
     for measured in (level, roundtrip):
         assert measured["generator"] == "process" and measured["generator_cpu_pct"] > 0
         assert measured["sent"] == measured["outcomes"] and measured["send_failures"] == 0
+    assert "open-loop generators (ts = scheduled send time): 50%: process" in report
 
     series = results["scaleout"]["series"]
     workers = series["digits workers"]["points"]

@@ -98,6 +98,34 @@ def test_by_default_the_databases_are_bounded_not_faust_sized(tables: Any) -> No
         }
 
 
+def test_a_database_written_before_reopens_with_the_configured_bounds(tmp_path: Path) -> None:
+    """A data directory written with Faust's own RocksDB options (before the tables had
+    bounds), or with other settings, reopens with the configured ones, and keeps its rows:
+    rocksdict would otherwise reopen it with the options of its OPTIONS file (new-user trial,
+    twelfth session)."""
+    from faust.stores.rocksdb import RocksDBOptions
+
+    old = RocksDBOptions(use_rocksdict=True)  # Faust 0.15.3's defaults: 64 MiB x 3, 2 GiB
+    path = tmp_path / "v1" / "tables" / "device_stats-2.db"
+    path.parent.mkdir(parents=True)
+    db = old.open(path)
+    db[b"cam1"] = b'{"count": 7}'
+    db.close()
+    assert "write_buffer_size=67108864" in sorted(path.glob("OPTIONS-*"))[-1].read_text()
+
+    settings = Settings(app_id="tables-test", topic_partitions=4, data_dir=tmp_path,
+                        table_write_buffer_mib=3, table_block_cache_mib=5)
+    app = faust.App(settings.app_id, broker="kafka://127.0.0.1:1", datadir=str(tmp_path),
+                    topic_partitions=4)
+    tables = define_tables(app, settings)
+    assert tables.stats.data.partition_path(2) == path
+    assert _opened_options(tables.stats, 2) == {
+        "block_cache": 5 * 1024 * 1024, "write_buffer_size": 3 * 1024 * 1024,
+        "max_write_buffer_number": MAX_WRITE_BUFFERS,
+    }
+    assert tables.stats.data._db_for_partition(2)[b"cam1"] == b'{"count": 7}'
+
+
 def test_a_request_topic_event_decides_the_partition_of_the_write(tables: Any) -> None:
     event = Event(tables.request_topic, 2, b"cam1")
     with tables.writing(b"cam1", event):
