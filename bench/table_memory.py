@@ -199,6 +199,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = sorted(set(configs) - set(CONFIGS))
     if unknown:
         parser.error(f"unknown config(s) {', '.join(unknown)}; use {', '.join(CONFIGS)}")
+    from streamapp.exceptions import ConfigError
+    from streamapp.settings import load_settings
+
+    try:  # the STREAMAPP_TABLE_* settings the streamapp run takes, checked before any run
+        load_settings(app_id="table-memory", topic_partitions=args.partitions)
+    except ConfigError as exc:
+        parser.error(str(exc))
     child_args = [a for a in (argv if argv is not None else sys.argv[1:])]
     samples: list[dict[str, Any]] = []
     heads: dict[str, dict[str, Any]] = {}

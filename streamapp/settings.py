@@ -750,14 +750,15 @@ class Settings(BaseSettings):
         description="Weight of the newest request in each device's latency EWMA.",
     )
     table_write_buffer_mib: float = Field(
-        1.0, gt=0,
+        1.0, ge=0.0625,
         description="Write buffer (memtable) size of each table database, MiB: RocksDB keeps "
         "at most two per database (one taking writes, one being flushed to disk), and a worker "
         "opens one database per table (device_stats, device_windows) and partition it owns, so "
         "its memtables take at most 2 x 2 x partitions x this (64 MiB with all 16 partitions). "
         "Faust's default, 64 MiB x 3 per database, did not fill in 20 minutes at 400 results/s "
         "from 300 devices and grew the tables' process by 83 MiB in 270 s (docs/tables.md, "
-        "'Memory'). Not used with processing_guarantee=exactly_once (memory tables)."
+        "'Memory'). At least 0.0625 (64 KiB): RocksDB raises a smaller write buffer to that. "
+        "Not used with processing_guarantee=exactly_once (memory tables)."
         + _bound("table_write_buffer_mib"),
     )
     table_block_cache_mib: float = Field(

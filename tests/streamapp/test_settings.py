@@ -525,3 +525,18 @@ def test_every_prefixed_variable_the_project_reads_is_a_setting_or_listed_as_oth
 
     assert names - settings == OTHER_ENV
     assert {kafka_server.HOME_ENV, kafka_server.JVM_OPTS_ENV} == OTHER_ENV
+
+
+@pytest.mark.parametrize("value", ["1e-9", "0.0625", "0.06", "1"])
+def test_a_table_write_buffer_below_rocksdbs_smallest_is_refused(
+    monkeypatch: pytest.MonkeyPatch, value: str,
+) -> None:
+    """RocksDB raises a write buffer below 64 KiB to 64 KiB without a word (new-user trial,
+    twelfth session): such a value is refused, not changed behind the user's back."""
+    monkeypatch.setenv("STREAMAPP_TABLE_WRITE_BUFFER_MIB", value)
+    if float(value) >= 0.0625:
+        assert load_settings().table_write_buffer_mib == float(value)
+        return
+    with pytest.raises(ConfigError, match=r"table_write_buffer_mib: .*greater than or equal "
+                                          r"to 0\.0625"):
+        load_settings()
