@@ -37,7 +37,7 @@ def thread_times(pid: int) -> dict[str, tuple[float, float]]:
 
 
 #: Launchers whose command line holds the pattern of the process they start.
-_WRAPPERS = {"timeout", "env", "bash", "sh", "nohup", "sudo"}
+_WRAPPERS = {"timeout", "env", "bash", "sh", "nohup", "sudo", "time", "flock", "nice", "setsid"}
 
 
 def _pids(pattern: str) -> list[int]:
@@ -54,13 +54,14 @@ def _pids(pattern: str) -> list[int]:
     return pids
 
 
-def sample(pattern: str, seconds: float, interval: float, min_pct: float) -> None:
-    """Print the busy threads of the matching processes every ``interval`` s: the process's
-    user and system CPU (% of one core), then each thread's user + system."""
+def sample(pattern: str, seconds: float, interval: float, min_pct: float) -> bool:
+    """Print the busy threads of the matching processes every ``interval`` s (> 0) for
+    ``seconds`` (at least one interval): the process's user and system CPU (% of one core),
+    then each thread's user + system. Returns whether any process matched."""
     before: dict[int, dict[str, tuple[float, float]]] = {}
     seen = False
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
+    deadline = time.monotonic() + max(seconds, interval)
+    while True:
         now = {pid: thread_times(pid) for pid in _pids(pattern)}
         seen = seen or bool(now)
         for pid, threads in now.items():
@@ -78,13 +79,14 @@ def sample(pattern: str, seconds: float, interval: float, min_pct: float) -> Non
             print(f"{time.strftime('%H:%M:%S')} pid {pid}: user {100 * user / interval:.0f} "
                   f"% + system {100 * sys_ / interval:.0f} %; {shown}", flush=True)
         before = now
+        if time.monotonic() >= deadline:
+            return seen
         time.sleep(interval)
-    if not seen:
-        print(f"no process's command line holds {pattern!r}", file=sys.stderr)
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(
+        prog="python -m bench.thread_cpu",
         description="CPU of every thread of the processes whose command line holds PATTERN, "
         "user and system, per interval (from /proc; Linux).")
     parser.add_argument("pattern", help="a substring of the command line, e.g. "
@@ -96,8 +98,13 @@ def main() -> None:
     parser.add_argument("--min-pct", type=float, default=3.0,
                         help="show threads at or above this %% of one core (default 3)")
     args = parser.parse_args()
-    sample(args.pattern, args.seconds, args.interval, args.min_pct)
+    if not args.interval > 0:
+        parser.error(f"--interval must be above 0 s, not {args.interval:g}")
+    if not sample(args.pattern, args.seconds, args.interval, args.min_pct):
+        print(f"no process's command line holds {args.pattern!r}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
