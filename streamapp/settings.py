@@ -762,11 +762,12 @@ class Settings(BaseSettings):
         + _bound("table_write_buffer_mib"),
     )
     table_block_cache_mib: float = Field(
-        2.0, gt=0,
+        2.0, ge=0.0625,
         description="Block cache of each table database, MiB (rows read from disk files; rows "
         "written lately are read from the write buffers, and the OS page cache keeps the files "
         "too): at most 2 x partitions owned x this per worker (64 MiB with all 16 partitions). "
-        "Faust's default is 2 GiB per database." + _bound("table_block_cache_mib"),
+        "Faust's default is 2 GiB per database. At least 0.0625 (64 KiB): a smaller value "
+        "rounded to a cache of no bytes." + _bound("table_block_cache_mib"),
     )
     table_consistency_check: bool | None = Field(
         None,

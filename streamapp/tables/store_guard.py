@@ -314,9 +314,11 @@ class StoreWriteGuard:
             from rocksdict import AccessType, Rdict, ReadOptions
 
             try:
+                # column_families={}: rocksdict uses these options, not the database's
+                # OPTIONS file and its own 8 MiB block cache (open_rocksdict_with_given_options)
                 db = Rdict(
                     str(path), options=self.store.rocksdb_options.as_options(),
-                    access_type=AccessType.read_only(),
+                    column_families={}, access_type=AccessType.read_only(),
                 )
                 db.set_read_options(ReadOptions())
             except Exception as exc:  # rocksdict raises plain Exception for RocksDB errors

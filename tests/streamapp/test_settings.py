@@ -527,16 +527,17 @@ def test_every_prefixed_variable_the_project_reads_is_a_setting_or_listed_as_oth
     assert {kafka_server.HOME_ENV, kafka_server.JVM_OPTS_ENV} == OTHER_ENV
 
 
+@pytest.mark.parametrize("name", ["table_write_buffer_mib", "table_block_cache_mib"])
 @pytest.mark.parametrize("value", ["1e-9", "0.0625", "0.06", "1"])
-def test_a_table_write_buffer_below_rocksdbs_smallest_is_refused(
-    monkeypatch: pytest.MonkeyPatch, value: str,
+def test_a_table_memory_bound_below_64_kib_is_refused(
+    monkeypatch: pytest.MonkeyPatch, name: str, value: str,
 ) -> None:
-    """RocksDB raises a write buffer below 64 KiB to 64 KiB without a word (new-user trial,
-    twelfth session): such a value is refused, not changed behind the user's back."""
-    monkeypatch.setenv("STREAMAPP_TABLE_WRITE_BUFFER_MIB", value)
+    """RocksDB raises a write buffer below 64 KiB to 64 KiB, and a tiny block cache rounded
+    to 0 bytes, without a word (new-user trials, twelfth session): such a value is refused,
+    not changed behind the user's back."""
+    monkeypatch.setenv(f"STREAMAPP_{name.upper()}", value)
     if float(value) >= 0.0625:
-        assert load_settings().table_write_buffer_mib == float(value)
+        assert getattr(load_settings(), name) == float(value)
         return
-    with pytest.raises(ConfigError, match=r"table_write_buffer_mib: .*greater than or equal "
-                                          r"to 0\.0625"):
+    with pytest.raises(ConfigError, match=rf"{name}: .*greater than or equal to 0\.0625"):
         load_settings()

@@ -165,6 +165,9 @@ def test_a_partition_first_opened_while_the_disk_is_full_loses_no_device(
         _count(tables, b"cam6", 1, 5)
         _count(tables, b"cam7", 2, 1)  # refused, kept
         assert not guard.recover()  # partition 2 closed and its reopen fails: served read-only
+        # ...through a reader with the configured block cache (2 MiB), not rocksdict's 8 MiB
+        reader = guard._readers[2]._db
+        assert reader.property_int_value("rocksdb.block-cache-capacity") == 2 * 1024 * 1024
         _count(tables, b"cam7", 2, 1)
         for _ in range(3):
             assert not guard.recover()
