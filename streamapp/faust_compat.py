@@ -590,13 +590,26 @@ def open_rocksdict_with_given_options() -> None:
 
         access = (rocksdict.AccessType.read_write() if self.ttl is None
                   else rocksdict.AccessType.with_ttl(self.ttl))
-        db = rocksdict.Rdict(str(path), options=self.as_options(), column_families={},
-                             access_type=access)
-        db.set_read_options(rocksdict.ReadOptions())
-        return db
+        return open_rdict(path, self.as_options(), access)
 
     open_with_given_options.streamapp_given_options = True  # type: ignore[attr-defined]
     RocksDBOptions.open = open_with_given_options  # type: ignore[method-assign]
+
+
+def open_rdict(path: Any, options: Any, access_type: Any) -> Any:
+    """``rocksdict.Rdict`` at ``path`` opened with ``options`` even when the database exists
+    (``column_families={}``: see :func:`open_rocksdict_with_given_options`), with default
+    read options, as Faust opens its stores.
+
+    Raises:
+        Exception: rocksdict's plain Exception for a RocksDB error (a full disk, a lock).
+    """
+    import rocksdict
+
+    db = rocksdict.Rdict(str(path), options=options, column_families={},
+                         access_type=access_type)
+    db.set_read_options(rocksdict.ReadOptions())
+    return db
 
 
 def screen_changelog(table: Any, screen: Any) -> None:

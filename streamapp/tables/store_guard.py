@@ -53,6 +53,7 @@ from typing import Any
 from faust.streams import current_event
 
 from streamapp.exceptions import TableUnavailableError
+from streamapp.faust_compat import open_rdict
 
 __all__ = ["LOG_INTERVAL_S", "RETRY_INTERVAL_S", "StoreWriteGuard", "TableWriteStatus"]
 
@@ -311,16 +312,11 @@ class StoreWriteGuard:
         path = self.store.partition_path(partition)
         db = None
         if (path / "CURRENT").exists():  # (a failed first open may leave a bare directory)
-            from rocksdict import AccessType, Rdict, ReadOptions
+            from rocksdict import AccessType
 
-            try:
-                # column_families={}: rocksdict uses these options, not the database's
-                # OPTIONS file and its own 8 MiB block cache (open_rocksdict_with_given_options)
-                db = Rdict(
-                    str(path), options=self.store.rocksdb_options.as_options(),
-                    column_families={}, access_type=AccessType.read_only(),
-                )
-                db.set_read_options(ReadOptions())
+            try:  # with the configured options, as the read-write stores
+                db = open_rdict(path, self.store.rocksdb_options.as_options(),
+                                AccessType.read_only())
             except Exception as exc:  # rocksdict raises plain Exception for RocksDB errors
                 raise TableUnavailableError(
                     f"table {self.name} partition {partition}: its database {path} cannot be "
