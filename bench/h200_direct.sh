@@ -32,7 +32,12 @@
 #          .ab/head's worker, this tree's with the benchmark's collector on, then quiet;
 # twelfth: digits p99 at 70 % with the open loop's generator in its own process, then in the
 #          collector's event loop, then the worker with 16 KiB fetches; twelfth-b: the first
-#          again, then the tensors at N = 16 (twelfth session);
+#          again, then the tensors at N = 16 (twelfth session); twelfth-c: the p99 step under
+#          bench.thread_cpu, then with one OpenMP/BLAS thread;
+# thirteenth-t: the tensors at N = 16 with the engine alone, py-spy and every thread's CPU,
+#          then the p99 step again (thirteenth session); thirteenth-b: the tensors with
+#          K = 48,000 and the relays, then the p99 step with the defaults, uvloop and 16 KiB
+#          fetches;
 # groups:  digits and JPEGs at N = 8, 16 on a broker with Kafka's default initial rebalance
 #          delay (3 s), then N = 16 with the test brokers' 0 (BENCH_KAFKA_PROPS).
 # Every step has its own timeout, so the call ends inside the device tool's limit. Writes
@@ -266,6 +271,40 @@ elif [ "$PART" = jpeg16 ]; then
   # against the decode + infer ceiling and the small-result relays (GPU busy: 78 % before).
   scaleout jpeg16 300 jpeg16 "group.initial.rebalance.delay.ms=3000" \
     --only resnet50-jpeg --ns 16 --ceilings aiokafka --budget-s 280
+elif [ "$PART" = thirteenth-t ]; then
+  # Thirteenth session: the ResNet-50 tensors at N = 16, K = 24,000 with the engine alone in
+  # the same call (the twelfth's budget skipped it), py-spy on a worker and the executor
+  # server under closed-loop load, every thread's CPU of the workers and the server (~4.5 min);
+  # then digits p99 at 70 % again (a second call's figure; ~3 min).
+  python3 -m bench.thread_cpu "streamapp" --seconds 200 --min-pct 5 > "$W/threads-tensors.log" 2>&1 &
+  BENCH_WORKERS_K=${THIRTEENTH_K:-24000} scaleout tensors 250 tensors \
+    "group.initial.rebalance.delay.ms=3000" --only resnet50-tensor --ns 16 --ceilings "" \
+    --profile-procs w0,gpu-server0 --profile-s 8 --budget-s 235
+  kill %1 2>/dev/null; wait
+  mkdir -p "$W/digits-p99-t"
+  step digits-p99-t 170 env STREAMAPP_INTAKE=direct BENCH_SKIP=anchor,exactly_once,policy \
+    BENCH_OL_S=8 BENCH_GENERATOR=process python3 -m bench run --profile gpu --broker kafka \
+    --only digits --no-backlog --no-scaleout --profile-open-loop --budget-s 145 \
+    --out "$W/digits-p99-t" --logs "$W/digits-p99-t/logs"
+elif [ "$PART" = thirteenth-b ]; then
+  # Thirteenth session, second call: the tensors at N = 16 with a longer drain (K = 48,000)
+  # against the engine and the relays, then digits p99 at 70 % with the defaults, on uvloop,
+  # and with fetches that wait for 16 KiB / 3 ms, in one call (~7.5 min).
+  BENCH_WORKERS_K=${THIRTEENTH_K:-48000} scaleout tensors48k 220 tensors48k \
+    "group.initial.rebalance.delay.ms=3000" --only resnet50-tensor --ns 16 --ceilings aiokafka \
+    --budget-s 205
+  for v in default uvloop fetch16k; do
+    case $v in
+      default) extra=() ;;
+      uvloop) extra=(STREAMAPP_EVENT_LOOP=uvloop) ;;
+      fetch16k) extra=(STREAMAPP_FETCH_MIN_BYTES=16384 STREAMAPP_FETCH_MAX_WAIT_MS=3) ;;
+    esac
+    mkdir -p "$W/digits-p99-$v"
+    step "digits-p99-$v" 170 env STREAMAPP_INTAKE=direct BENCH_SKIP=anchor,exactly_once,policy \
+      BENCH_OL_S=8 BENCH_GENERATOR=process "${extra[@]}" python3 -m bench run --profile gpu \
+      --broker kafka --only digits --no-backlog --no-scaleout --budget-s 145 \
+      --out "$W/digits-p99-$v" --logs "$W/digits-p99-$v/logs"
+  done
 elif [ "$PART" = twelfth ] || [ "$PART" = twelfth-b ] || [ "$PART" = twelfth-c ]; then
   # Twelfth session: the open loop's generator in a process of its own (bench.load
   # GeneratorProcess) against the old one-event-loop harness (BENCH_GENERATOR=inline), same
@@ -305,7 +344,7 @@ elif [ "$PART" = twelfth ] || [ "$PART" = twelfth-b ] || [ "$PART" = twelfth-c ]
 else
   echo "unknown part $PART (hotpath, jpeg, groups, groups2, profile, jpeg2, jpeg3, tensors," \
     "tprofile, paced, paced-short, jpeg16, p99, fetch, fetch64, tenth, tenth-b, tenth-ab," \
-    "eleventh, eleventh-b, eleventh-one, eleventh-min, twelfth or twelfth-b)" >&2
+    "eleventh, eleventh-b, eleventh-one, eleventh-min, twelfth, twelfth-b, twelfth-c, thirteenth-t or thirteenth-b)" >&2
   exit 2
 fi
 tar czf "$OUT/$PART.tgz" -C "$W" . 2>/dev/null

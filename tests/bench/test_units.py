@@ -321,3 +321,41 @@ def test_the_generator_process_says_why_it_failed() -> None:
     with pytest.raises(RuntimeError, match=r"(?s)generator process failed.*ZeroDivisionError"):
         asyncio.run(gen.start(timeout_s=60.0))
     assert gen._process.exitcode is not None  # start() ended the process it started
+
+
+def test_thread_cpu_names_each_busy_thread_by_its_python_name(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """bench.thread_cpu reads a child's threads from /proc and labels them with py-spy's
+    Python names: the spinning thread shows as ``[spinner]`` with most of a core."""
+    import subprocess
+    import sys
+
+    from bench.procs import py_spy
+    from bench.thread_cpu import _label, python_thread_names, sample, thread_times
+
+    if py_spy() is None:
+        pytest.skip("py-spy is not installed")
+    code = ("import threading, time\n"
+            "def spin():\n"
+            "    while True: pass\n"
+            "threading.Thread(target=spin, name='spinner', daemon=True).start()\n"
+            "print('ready', flush=True); time.sleep(60)\n")
+    child = subprocess.Popen([sys.executable, "-c", code, "thread-cpu-test-marker"],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "ready\n"
+        names = python_thread_names(child.pid)
+        if names is None:
+            pytest.skip("py-spy may not attach here (ptrace permission)")
+        assert names[child.pid] == "MainThread"
+        spinner = next(tid for tid, name in names.items() if name == "spinner")
+        assert any(k.endswith(f"/{spinner}") for k in thread_times(child.pid))
+        assert _label(f"python/{spinner}", names) == f"python/{spinner}[spinner]"
+        assert _label("python/1", names) == "python/1[native]"
+        assert sample("thread-cpu-test-marker", 1.0, 0.5, 20.0)
+    finally:
+        child.kill()
+        child.communicate()
+    lines = capsys.readouterr().out.splitlines()
+    assert lines and all(f"pid {child.pid}:" in line for line in lines)
+    assert all(f"/{spinner}[spinner]" in line for line in lines)
