@@ -362,12 +362,14 @@ def format_report(results: Mapping[str, Any]) -> str:
         if "error" in b:
             lines.append(f"backlog: FAILED: {b['error']}")
         else:
+            # results_rate: since the thirteenth session (bench.run.backlog_rate)
+            rate = b.get("results_rate") or f"{b.get('results_per_s') or 0:,}/s"
             lines.append(
                 f"backlog: {b['requests']:,} digits requests waiting ({b['payload_bytes']} B "
                 f"msgpack, produced at {b['produce_per_s']:,}/s): worker RSS "
                 f"{b['rss_mib_at_ready']} MiB when ready, max {b['rss_mib_max']} MiB during "
                 f"{b['watch_s']:.0f} s, {b['results_done']:,} answered "
-                f"({b.get('results_per_s', 0):,}/s); broker RSS "
+                f"({rate}); broker RSS "
                 f"{b['broker_rss_mib_after_produce']:,.0f} MiB")
     lines += format_kafka(results)
     if results.get("scaleout", {}).get("series") or results.get("scaleout", {}).get("skipped"):

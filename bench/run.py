@@ -182,6 +182,27 @@ def _run(coro: Any) -> Any:
 # -- measurements ----------------------------------------------------------------------------
 
 
+def backlog_rate(series: list[tuple[float, int]], ready_s: float) -> tuple[int | None, str]:
+    """The rate at which a backlog was answered, from 1 s samples ``(s since the worker's
+    launch, results so far)``, and how to print it.
+
+    Over the samples from the first to the first that had the final count (time after the
+    last answer does not dilute it). When the first sample had them all, only a lower bound
+    is known: the final count over the time from ready (``ready_s``) to that sample.
+    """
+    if not series or series[-1][1] == 0:
+        return None, "none answered"
+    final = series[-1][1]
+    done_t = next(t for t, count in series if count == final)
+    first_t, first_count = series[0]
+    if done_t > first_t:
+        rate = round((final - first_count) / (done_t - first_t))
+        return rate, f"{rate:,}/s"
+    rate = round(final / max(done_t - ready_s, 1e-3))
+    return rate, (f"at least {rate:,}/s: all answered by the first sample, "
+                  f"{done_t - ready_s:.1f} s after ready")
+
+
 class Bench:
     """Runs a profile, appending every result to ``self.results`` (written as JSON)."""
 
@@ -673,13 +694,10 @@ class Bench:
                 "rss_mib_at_ready": _rss_at(samples, ready_s),
                 "results_done": series[-1][1] if series else 0,
             })
-            if len(series) >= 2 and series[-1][0] > series[0][0]:
-                out["results_per_s"] = round((series[-1][1] - series[0][1])
-                                             / (series[-1][0] - series[0][0]))
+            out["results_per_s"], out["results_rate"] = backlog_rate(series, ready_s)
         self.log(f"  worker RSS: {out['rss_mib_at_ready']} MiB when ready, max "
                  f"{out['rss_mib_max']} MiB over {seconds:.0f} s while answering "
-                 f"{out['results_done']:,} of the backlog "
-                 f"({out.get('results_per_s', 0):,}/s)")
+                 f"{out['results_done']:,} of the backlog ({out['results_rate']})")
         self.results["backlog"] = out
         self._save()
         return out

@@ -359,3 +359,17 @@ def test_thread_cpu_names_each_busy_thread_by_its_python_name(
     lines = capsys.readouterr().out.splitlines()
     assert lines and all(f"pid {child.pid}:" in line for line in lines)
     assert all(f"/{spinner}[spinner]" in line for line in lines)
+
+
+def test_the_backlog_rate_is_over_the_answering_samples_or_a_stated_lower_bound() -> None:
+    from bench.run import backlog_rate
+
+    # answering for 2 s, then idle: the idle samples do not dilute the rate
+    assert backlog_rate([(3.0, 1000), (4.0, 3000), (5.0, 5000), (6.0, 5000), (7.0, 5000)],
+                        2.5) == (2000, "2,000/s")
+    # everything answered before the first sample (the smoke run's 5,000): not "0/s"
+    rate, text = backlog_rate([(3.0, 5000), (4.0, 5000)], 2.5)
+    assert rate == 10000
+    assert text == "at least 10,000/s: all answered by the first sample, 0.5 s after ready"
+    assert backlog_rate([(3.0, 0), (4.0, 0)], 2.5) == (None, "none answered")
+    assert backlog_rate([], 2.5) == (None, "none answered")
