@@ -202,10 +202,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from streamapp.exceptions import ConfigError
     from streamapp.settings import load_settings
 
-    try:  # the STREAMAPP_TABLE_* settings the streamapp run takes, checked before any run
-        load_settings(app_id="table-memory", topic_partitions=args.partitions)
-    except ConfigError as exc:
-        parser.error(str(exc))
+    if "streamapp" in configs:
+        try:  # the STREAMAPP_TABLE_* settings the streamapp run takes, checked before any run
+            load_settings(app_id="table-memory", topic_partitions=args.partitions)
+        except ConfigError as exc:
+            parser.error(str(exc))
     child_args = [a for a in (argv if argv is not None else sys.argv[1:])]
     samples: list[dict[str, Any]] = []
     heads: dict[str, dict[str, Any]] = {}
@@ -213,6 +214,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         out = subprocess.run(
             [sys.executable, "-m", "bench.table_memory", *child_args, "--child", config],
             check=True, stdout=subprocess.PIPE, text=True,
+            # Faust's defaults take no STREAMAPP_TABLE_* setting: one it does not use must
+            # not fail its run
+            env=None if config == "streamapp" else {
+                k: v for k, v in os.environ.items() if not k.startswith("STREAMAPP_TABLE_")},
         ).stdout
         for line in out.splitlines():
             row = json.loads(line)

@@ -373,3 +373,24 @@ def test_the_backlog_rate_is_over_the_answering_samples_or_a_stated_lower_bound(
     assert text == "at least 10,000/s: all answered by the first sample, 0.5 s after ready"
     assert backlog_rate([(3.0, 0), (4.0, 0)], 2.5) == (None, "none answered")
     assert backlog_rate([], 2.5) == (None, "none answered")
+
+
+def test_table_memory_refuses_a_bad_table_setting_only_for_the_run_that_takes_it() -> None:
+    """``bench.table_memory --configs faust`` runs Faust's defaults, which take no
+    STREAMAPP_TABLE_* setting: a bad one there is not its error (re-trial, twelfth session);
+    ``--configs streamapp`` refuses it in one usage line before any run."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "STREAMAPP_TABLE_BLOCK_CACHE_MIB": "-1"}
+    args = [sys.executable, "-m", "bench.table_memory", "--seconds", "15", "--sample-s", "15",
+            "--partitions", "2", "--idle-s", "0", "--configs"]
+    faust = subprocess.run([*args, "faust"], env=env, capture_output=True, text=True,
+                           timeout=120)
+    assert faust.returncode == 0, faust.stderr
+    assert "faust: 4 databases" in faust.stdout  # two tables × two partitions
+    ours = subprocess.run([*args, "streamapp"], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert ours.returncode == 2
+    assert "table_block_cache_mib" in ours.stderr and "Traceback" not in ours.stderr
