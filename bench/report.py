@@ -482,8 +482,9 @@ def write_plots(results: Mapping[str, Any], out: Path) -> list[Path]:
         ax.set_xlabel("s since worker start")
         ax.set_ylabel("MiB")
         ax2 = ax.twinx()
-        if b.get("results_series"):
-            tt, done = zip(*b["results_series"], strict=True)
+        answered = [(t, c) for t, c in b.get("results_series") or () if c is not None]
+        if answered:  # None: /metrics did not answer that sample
+            tt, done = zip(*answered, strict=True)
             ax2.plot(tt, done, color="tab:orange", label="results")
             ax2.set_ylabel("results answered")
         ax.set_title(f"{b['requests']:,} requests waiting in the topic", fontsize=9)

@@ -182,25 +182,30 @@ def _run(coro: Any) -> Any:
 # -- measurements ----------------------------------------------------------------------------
 
 
-def backlog_rate(series: list[tuple[float, int]], ready_s: float) -> tuple[int | None, str]:
+def backlog_rate(series: list[tuple[float, int | None]], ready_s: float
+                 ) -> tuple[int | None, str]:
     """The rate at which a backlog was answered, from 1 s samples ``(s since the worker's
-    launch, results so far)``, and how to print it.
+    launch, results so far, or None where the worker's /metrics did not answer)``, and how
+    to print it.
 
     Over the samples from the first to the first that had the final count (time after the
-    last answer does not dilute it). When the first sample had them all, only a lower bound
-    is known: the final count over the time from ready (``ready_s``) to that sample.
+    last answer does not dilute it). When the first sample already had half of them or more,
+    that span holds only the stragglers: then the rate is the final count over the time
+    from ready (``ready_s``) to the first sample that had it, and the line says so.
     """
-    if not series or series[-1][1] == 0:
+    points = [(t, count) for t, count in series if count is not None]
+    if not points or points[-1][1] == 0:
         return None, "none answered"
-    final = series[-1][1]
-    done_t = next(t for t, count in series if count == final)
-    first_t, first_count = series[0]
-    if done_t > first_t:
+    final = points[-1][1]
+    done_t = next(t for t, count in points if count == final)
+    first_t, first_count = points[0]
+    if done_t > first_t and 2 * first_count < final:
         rate = round((final - first_count) / (done_t - first_t))
         return rate, f"{rate:,}/s"
     rate = round(final / max(done_t - ready_s, 1e-3))
-    return rate, (f"at least {rate:,}/s: all answered by the first sample, "
-                  f"{done_t - ready_s:.1f} s after ready")
+    return rate, (f"{rate:,}/s from ready to the sample that had them all: "
+                  f"{first_count:,} were answered by the first sample, "
+                  f"{first_t - ready_s:.1f} s after ready")
 
 
 class Bench:
@@ -684,7 +689,7 @@ class Bench:
                     while time.time() < t_end:
                         time.sleep(1.0)
                         series.append((round(time.time() - t_start, 1),
-                                       results_count(proc.web_url, 2.0) or 0))
+                                       results_count(proc.web_url, 2.0)))
                 samples = [(round(s["t"] - t_start, 2), s["rss"].get("worker", 0) / 2**20)
                            for s in sampler.samples]
             out.update({
@@ -692,7 +697,7 @@ class Bench:
                 "rss_mib_series": samples, "results_series": series,
                 "rss_mib_max": round(max(r for _, r in samples), 1) if samples else None,
                 "rss_mib_at_ready": _rss_at(samples, ready_s),
-                "results_done": series[-1][1] if series else 0,
+                "results_done": max((c for _, c in series if c is not None), default=0),
             })
             out["results_per_s"], out["results_rate"] = backlog_rate(series, ready_s)
         self.log(f"  worker RSS: {out['rss_mib_at_ready']} MiB when ready, max "

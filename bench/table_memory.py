@@ -39,6 +39,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 CONFIGS = ("faust", "streamapp")
 MIB = 1024 * 1024
@@ -177,6 +178,13 @@ def _summary(samples: list[dict[str, Any]], heads: dict[str, dict[str, Any]]) ->
     return "\n".join(lines)
 
 
+def _environment(config: str) -> dict[str, str]:
+    """The environment of ``config``'s run: Faust's defaults take no STREAMAPP_TABLE_*
+    setting, so one it does not use cannot fail that run (every other setting is checked)."""
+    return {k: v for k, v in os.environ.items()
+            if config == "streamapp" or not k.startswith("STREAMAPP_TABLE_")}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.table_memory", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -197,16 +205,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = sorted(set(configs) - set(CONFIGS))
-    if unknown:
-        parser.error(f"unknown config(s) {', '.join(unknown)}; use {', '.join(CONFIGS)}")
+    if unknown or not configs:
+        parser.error(f"unknown config(s) {', '.join(unknown) or repr(args.configs)}; use "
+                     f"{', '.join(CONFIGS)}")
+    for name in ("devices", "rate", "seconds", "partitions", "sample_s"):
+        if not getattr(args, name) > 0:
+            parser.error(f"--{name.replace('_', '-')} must be above 0, not {getattr(args, name)}")
+    if args.json is not None and not args.json.parent.is_dir():
+        parser.error(f"--json: no directory {str(args.json.parent)!r}")
     from streamapp.exceptions import ConfigError
     from streamapp.settings import load_settings
 
-    if "streamapp" in configs:
-        try:  # the STREAMAPP_TABLE_* settings the streamapp run takes, checked before any run
-            load_settings(app_id="table-memory", topic_partitions=args.partitions)
+    for config in configs:  # the settings each run takes, checked before any run
+        try:
+            with mock.patch.dict(os.environ, _environment(config), clear=True):
+                load_settings(app_id="table-memory", topic_partitions=args.partitions)
         except ConfigError as exc:
-            parser.error(str(exc))
+            parser.error(f"{exc} (the {config} run)")
     child_args = [a for a in (argv if argv is not None else sys.argv[1:])]
     samples: list[dict[str, Any]] = []
     heads: dict[str, dict[str, Any]] = {}
@@ -214,10 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         out = subprocess.run(
             [sys.executable, "-m", "bench.table_memory", *child_args, "--child", config],
             check=True, stdout=subprocess.PIPE, text=True,
-            # Faust's defaults take no STREAMAPP_TABLE_* setting: one it does not use must
-            # not fail its run
-            env=None if config == "streamapp" else {
-                k: v for k, v in os.environ.items() if not k.startswith("STREAMAPP_TABLE_")},
+            env=_environment(config),
         ).stdout
         for line in out.splitlines():
             row = json.loads(line)

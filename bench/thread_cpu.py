@@ -11,8 +11,9 @@ busiest first, until ``--seconds`` have passed.
 Linux names most of a Python process's threads after the executable (``python``), so where
 py-spy is installed each process's threads are also matched to their Python names with
 ``py-spy dump --nonblocking`` (its ``Thread TID (state): "name"`` lines): a thread shows as
-``python/TID[Thread-2]``, and one that py-spy does not list, which runs no Python, as
-``python/TID[native]``.
+``python/TID[Thread-2]``; ``[python]`` is a Python thread without a name; ``[native]`` one
+that py-spy did not list in a dump taken at least one interval after the thread appeared (it
+runs no Python); ``[?]`` one not known yet. ``--no-names`` leaves py-spy out.
 """
 
 from __future__ import annotations
@@ -46,13 +47,16 @@ def thread_times(pid: int) -> dict[str, tuple[float, float]]:
     return out
 
 
-_DUMP_THREAD = re.compile(r'^Thread (\d+) \([^)]*\): "(.*)"', re.M)
+#: ``Thread TID (state): "name"``; a thread of a process that never imported ``threading``
+#: (its main thread, usually) has no name.
+_DUMP_THREAD = re.compile(r'^Thread (\d+) \([^)]*\)(?:: "(.*)")?\s*$', re.M)
 
 
 def python_thread_names(pid: int, exe: str | None = None) -> dict[int, str] | None:
     """``{native tid: Python thread name}`` of ``pid`` from ``py-spy dump`` (``exe``, default:
-    the one :func:`bench.procs.py_spy` finds), or None when py-spy is missing or failed (no
-    permission, not a Python process, gone)."""
+    the one :func:`bench.procs.py_spy` finds; ``python`` for a thread without a name), or None
+    when py-spy is missing or failed (no permission, not a Python process, gone, or its
+    ``Failed to get stack traces`` on a busy process, about 1 dump in 40)."""
     exe = exe or py_spy()
     if exe is None:
         return None
@@ -63,15 +67,53 @@ def python_thread_names(pid: int, exe: str | None = None) -> dict[int, str] | No
         return None
     if out.returncode != 0:
         return None
-    return {int(tid): name for tid, name in _DUMP_THREAD.findall(out.stdout)}
+    return {int(tid): name or "python" for tid, name in _DUMP_THREAD.findall(out.stdout)}
 
 
-def _label(key: str, names: dict[int, str] | None) -> str:
-    """``name/tid`` with its Python name (``[native]`` when py-spy does not list it)."""
-    if names is None:
-        return key
-    tid = int(key.rsplit("/", 1)[1])
-    return f"{key}[{names.get(tid, 'native')}]"
+class _Names:
+    """One process's thread names from py-spy, asked again while a thread has none.
+
+    A thread py-spy did not list is *native* (it runs no Python) only once a dump taken at
+    least ``settle_s`` after the thread was first seen did not list it: a new thread is in
+    ``/proc`` before Python registers it. A failed dump is tried again at the next sample,
+    and after ``tries`` failures in a row the process is left unnamed (``note`` says so).
+    """
+
+    def __init__(self, pid: int, settle_s: float, tries: int = 3) -> None:
+        self.pid, self.settle_s, self.tries = pid, settle_s, tries
+        self.names: dict[int, str] = {}
+        self.native: set[int] = set()
+        self.first_seen: dict[int, float] = {}
+        self.failures = 0
+        self.given_up = False
+        self.note = ""
+
+    def update(self, tids: set[int], now: float) -> None:
+        for tid in tids:
+            self.first_seen.setdefault(tid, now)
+        unknown = tids - self.names.keys() - self.native
+        if self.given_up or not unknown:
+            return
+        dump = python_thread_names(self.pid)
+        if dump is None:
+            self.failures += 1
+            if self.failures >= self.tries:
+                self.given_up = True
+                self.note = (f"py-spy could not read pid {self.pid}'s threads "
+                             f"({self.failures} tries): its threads have no Python names")
+            return
+        self.failures = 0
+        self.names.update(dump)
+        self.native |= {tid for tid in unknown - dump.keys()
+                        if now - self.first_seen[tid] >= self.settle_s}
+
+    def label(self, key: str) -> str:
+        """``name/tid[Python name]``, ``[native]``, or ``[?]`` while not known yet."""
+        if self.given_up and not self.names:
+            return key
+        tid = int(key.rsplit("/", 1)[1])
+        name = self.names.get(tid) or ("native" if tid in self.native else "?")
+        return f"{key}[{name}]"
 
 
 #: Launchers whose command line holds the pattern of the process they start.
@@ -87,43 +129,61 @@ def _pids(pattern: str) -> list[int]:
             continue
         cmd = b" ".join(argv).decode(errors="replace")
         if pattern in cmd and int(proc.name) != os.getpid() \
+                and "bench.thread_cpu" not in cmd \
                 and os.path.basename(argv[0].decode(errors="replace")) not in _WRAPPERS:
             pids.append(int(proc.name))
     return pids
 
 
-def sample(pattern: str, seconds: float, interval: float, min_pct: float) -> bool:
+def sample(pattern: str, seconds: float, interval: float, min_pct: float,
+           names: bool = True) -> bool:
     """Print the busy threads of the matching processes every ``interval`` s (> 0) for
     ``seconds`` (at least one interval): the process's user and system CPU (% of one core),
-    then each thread's user + system. Returns whether any process matched."""
+    then each thread's user + system, named by py-spy where ``names`` and py-spy is found.
+    Says when a process appears, ends, or ended before its first interval. Returns whether
+    any process matched."""
+    exe = py_spy() if names else None
+    print(f"# processes whose command line holds {pattern!r}, every {interval:g} s for "
+          f"{max(seconds, interval):g} s: user and system CPU from /proc in % of one core, "
+          f"threads at or above {min_pct:g} %; "
+          + (f"Python thread names from {exe} dump ([native]: runs no Python, [?]: not known "
+             "yet)" if exe else "no py-spy: Linux thread names only"), flush=True)
     before: dict[int, dict[str, tuple[float, float]]] = {}
-    names: dict[int, dict[int, str] | None] = {}  # pid -> py-spy's names (None: none)
-    asked: dict[int, set[int]] = {}  # pid -> the threads it had at py-spy's last dump
+    naming: dict[int, _Names] = {}
+    printed: set[int] = set()
     seen = False
     deadline = time.monotonic() + max(seconds, interval)
     while True:
         now = {pid: thread_times(pid) for pid in _pids(pattern)}
+        now = {pid: threads for pid, threads in now.items() if threads}
         seen = seen or bool(now)
+        for pid in before.keys() - now.keys():
+            print(f"# pid {pid} ended" if pid in printed else
+                  f"# pid {pid} matched but ended before its first {interval:g} s interval",
+                  flush=True)
         for pid, threads in now.items():
-            tids = {int(k.rsplit("/", 1)[1]) for k in threads}
-            known = names.get(pid)
-            # Ask py-spy again when a thread appeared that was not there at its last dump
-            # (threads it did not list then run no Python: they stay native).
-            if pid not in names or (known is not None and not tids <= asked[pid]):
-                names[pid], asked[pid] = python_thread_names(pid), tids
+            if exe is not None:
+                name = naming.setdefault(pid, _Names(pid, settle_s=interval))
+                had_note = bool(name.note)
+                name.update({int(k.rsplit("/", 1)[1]) for k in threads}, time.monotonic())
+                if name.note and not had_note:
+                    print(f"# {name.note}", flush=True)
             old = before.get(pid)
             if old is None:
                 continue
             user = sys_ = 0.0
             busy = []
             for k, (u, s) in threads.items():
-                u0, s0 = old.get(k, (u, s))
+                u0, s0 = old.get(k, (0.0, 0.0))  # a thread new in this interval: all of it
                 user, sys_ = user + u - u0, sys_ + s - s0
-                busy.append((100 * (u - u0 + s - s0) / interval, _label(k, names[pid])))
+                busy.append((100 * (u - u0 + s - s0) / interval,
+                             naming[pid].label(k) if exe is not None else k))
             busy.sort(reverse=True)
             shown = ", ".join(f"{k} {p:.0f}" for p, k in busy if p >= min_pct)
             print(f"{time.strftime('%H:%M:%S')} pid {pid}: user {100 * user / interval:.0f} "
-                  f"% + system {100 * sys_ / interval:.0f} %; {shown}", flush=True)
+                  f"% + system {100 * sys_ / interval:.0f} %" + (f"; {shown}" if shown else ""),
+                  flush=True)
+            printed.add(pid)
         before = now
         if time.monotonic() >= deadline:
             return seen
@@ -143,10 +203,17 @@ def main() -> int:
                         help="seconds between samples (default 4)")
     parser.add_argument("--min-pct", type=float, default=3.0,
                         help="show threads at or above this %% of one core (default 3)")
+    parser.add_argument("--no-names", action="store_true",
+                        help="do not ask py-spy for the threads' Python names")
     args = parser.parse_args()
-    if not args.interval > 0:
-        parser.error(f"--interval must be above 0 s, not {args.interval:g}")
-    if not sample(args.pattern, args.seconds, args.interval, args.min_pct):
+    if not 0 < args.interval < float("inf"):
+        parser.error(f"--interval must be above 0 s and finite, not {args.interval:g}")
+    if not 0 <= args.seconds < float("inf"):
+        parser.error(f"--seconds must be at least 0 and finite, not {args.seconds:g}")
+    if not args.pattern.strip():
+        parser.error("PATTERN must not be empty (it would match every process)")
+    if not sample(args.pattern, args.seconds, args.interval, args.min_pct,
+                  names=not args.no_names):
         print(f"no process's command line holds {args.pattern!r}", file=sys.stderr)
         return 1
     return 0

@@ -37,8 +37,10 @@ LAST_DEFAULT, LAST_MAX = 6, 1000
 def _unknown(device_id: str) -> ApiError:
     return ApiError(
         404, "unknown_device",
-        f"no request from device {device_id!r} has been processed (or its state expired); "
-        "device ids are the request records' keys",
+        f"no state of device {device_id!r}: none of its requests was processed, its first "
+        "outcomes are not written yet (device state is written every "
+        "state_flush_interval_ms), or its state expired; device ids are the request "
+        "records' keys",
         device_id=device_id,
     )
 
