@@ -293,6 +293,7 @@ elif [ "$PART" = thirteenth-b ]; then
   BENCH_WORKERS_K=${THIRTEENTH_K:-48000} scaleout tensors48k 220 tensors48k \
     "group.initial.rebalance.delay.ms=3000" --only resnet50-tensor --ns 16 --ceilings aiokafka \
     --budget-s 205
+  [ "${THIRTEENTH_B:-}" = none ] && THIRTEENTH_B=" "  # the tensors alone
   for v in ${THIRTEENTH_B:-default uvloop fetch16k}; do
     case $v in
       default) extra=() ;;
