@@ -188,15 +188,15 @@ def backlog_rate(series: list[tuple[float, int | None]], ready_s: float
     launch, results so far, or None where the worker's /metrics did not answer)``, and how
     to print it.
 
-    Over the samples from the first to the first that had the final count (time after the
+    Over the samples from the first to the first that had the highest count (time after the
     last answer does not dilute it). When the first sample already had half of them or more,
     that span holds only the stragglers: then the rate is the final count over the time
     from ready (``ready_s``) to the first sample that had it, and the line says so.
     """
     points = [(t, count) for t, count in series if count is not None]
-    if not points or points[-1][1] == 0:
+    final = max((count for _, count in points), default=0)  # a restarted worker counts anew
+    if final == 0:
         return None, "none answered"
-    final = points[-1][1]
     done_t = next(t for t, count in points if count == final)
     first_t, first_count = points[0]
     if done_t > first_t and 2 * first_count < final:
