@@ -274,8 +274,8 @@ elif [ "$PART" = jpeg16 ]; then
 elif [ "$PART" = thirteenth-t ]; then
   # Thirteenth session: the ResNet-50 tensors at N = 16, K = 24,000 with the engine alone in
   # the same call (the twelfth's budget skipped it), py-spy on a worker and the executor
-  # server under closed-loop load, every thread's CPU of the workers and the server (~4.5 min);
-  # then digits p99 at 70 % again (a second call's figure; ~3 min).
+  # server under closed-loop load, every thread's CPU of the workers and the server (81 s on
+  # the H100); then digits p99 at 70 % again (a second call's figure; 82 s).
   python3 -m bench.thread_cpu "streamapp" --seconds 200 --min-pct 5 > "$W/threads-tensors.log" 2>&1 &
   BENCH_WORKERS_K=${THIRTEENTH_K:-24000} scaleout tensors 250 tensors \
     "group.initial.rebalance.delay.ms=3000" --only resnet50-tensor --ns 16 --ceilings "" \
