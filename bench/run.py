@@ -194,18 +194,22 @@ def backlog_rate(series: list[tuple[float, int | None]], ready_s: float
     from ready (``ready_s``) to the first sample that had it, and the line says so.
     """
     points = [(t, count) for t, count in series if count is not None]
-    final = max((count for _, count in points), default=0)  # a restarted worker counts anew
+    if not points:
+        return None, "the worker's /metrics never answered"
+    failed = len(series) - len(points)
+    note = f"; {failed} of {len(series)} /metrics polls failed" if failed else ""
+    final = max(count for _, count in points)  # a restarted worker counts anew
     if final == 0:
-        return None, "none answered"
+        return None, "none answered" + note
     done_t = next(t for t, count in points if count == final)
     first_t, first_count = points[0]
     if done_t > first_t and 2 * first_count < final:
         rate = round((final - first_count) / (done_t - first_t))
-        return rate, f"{rate:,}/s"
+        return rate, f"{rate:,}/s{note}"
     rate = round(final / max(done_t - ready_s, 1e-3))
     return rate, (f"{rate:,}/s from ready to the sample that had them all: "
                   f"{first_count:,} were answered by the first sample, "
-                  f"{first_t - ready_s:.1f} s after ready")
+                  f"{first_t - ready_s:.1f} s after ready{note}")
 
 
 class Bench:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import subprocess
@@ -182,7 +183,7 @@ def _environment(config: str) -> dict[str, str]:
     """The environment of ``config``'s run: Faust's defaults take no STREAMAPP_TABLE_*
     setting, so one it does not use cannot fail that run (every other setting is checked)."""
     return {k: v for k, v in os.environ.items()
-            if config == "streamapp" or not k.startswith("STREAMAPP_TABLE_")}
+            if config == "streamapp" or not k.upper().startswith("STREAMAPP_TABLE_")}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -208,29 +209,42 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown or not configs:
         parser.error(f"unknown config(s) {', '.join(unknown) or repr(args.configs)}; use "
                      f"{', '.join(CONFIGS)}")
-    for name in ("devices", "rate", "seconds", "partitions", "sample_s"):
-        if not getattr(args, name) > 0:
-            parser.error(f"--{name.replace('_', '-')} must be above 0, not {getattr(args, name)}")
-    if args.json is not None and not args.json.parent.is_dir():
-        parser.error(f"--json: no directory {str(args.json.parent)!r}")
+    for name in ("devices", "rate", "seconds", "partitions", "sample_s", "idle_s"):
+        value = getattr(args, name)
+        if not (0 <= value if name == "idle_s" else 0 < value) or not math.isfinite(value):
+            parser.error(f"--{name.replace('_', '-')} must be "
+                         f"{'at least' if name == 'idle_s' else 'above'} 0 and finite, "
+                         f"not {value}")
+    if args.json is not None and (not str(args.json).strip() or args.json.is_dir()
+                                  or not args.json.parent.is_dir()):
+        parser.error(f"--json: {str(args.json)!r} is not a file path in an existing directory")
     from streamapp.exceptions import ConfigError
     from streamapp.settings import load_settings
 
     for config in configs:  # the settings each run takes, checked before any run
         try:
             with mock.patch.dict(os.environ, _environment(config), clear=True):
-                load_settings(app_id="table-memory", topic_partitions=args.partitions)
+                settings = load_settings(app_id="table-memory",
+                                         topic_partitions=args.partitions)
         except ConfigError as exc:
             parser.error(f"{exc} (the {config} run)")
+        if settings.processing_guarantee == "exactly_once":
+            parser.error("processing_guarantee=exactly_once keeps device tables in memory, "
+                         "not in RocksDB: this measures RocksDB stores (unset "
+                         "STREAMAPP_PROCESSING_GUARANTEE)")
     child_args = [a for a in (argv if argv is not None else sys.argv[1:])]
     samples: list[dict[str, Any]] = []
     heads: dict[str, dict[str, Any]] = {}
     for config in configs:
-        out = subprocess.run(
+        run = subprocess.run(
             [sys.executable, "-m", "bench.table_memory", *child_args, "--child", config],
-            check=True, stdout=subprocess.PIPE, text=True,
-            env=_environment(config),
-        ).stdout
+            stdout=subprocess.PIPE, text=True, env=_environment(config),
+        )
+        if run.returncode != 0:
+            print(f"python -m bench.table_memory: the {config} run failed (exit "
+                  f"{run.returncode}); its error is above", file=sys.stderr)
+            return 1
+        out = run.stdout
         for line in out.splitlines():
             row = json.loads(line)
             if "options" in row:

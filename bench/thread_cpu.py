@@ -5,8 +5,9 @@ py-spy sees only Python frames; a thread that burns CPU in native code without P
 stack (OpenMP or BLAS workers spinning, a CUDA driver thread, RocksDB's background threads)
 shows up here, by the name the thread gave itself and its native id (the id py-spy prints), and
 so does time in the kernel (system CPU: sockets, futexes). Prints one line per process and
-interval: its user and system CPU, then the threads above ``--min-pct`` % of one core,
-busiest first, until ``--seconds`` have passed.
+interval: its user and system CPU (``/proc/PID/stat``: threads that ended during the interval
+included), then the threads above ``--min-pct`` % of one core, busiest first, until
+``--seconds`` have passed; percentages are over the time that passed between two samples.
 
 Linux names most of a Python process's threads after the executable (``python``), so where
 py-spy is installed each process's threads are also matched to their Python names with
@@ -28,9 +29,20 @@ from pathlib import Path
 
 from bench.procs import py_spy
 
-__all__ = ["python_thread_names", "sample", "thread_times"]
+__all__ = ["process_times", "python_thread_names", "sample", "thread_times"]
 
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def process_times(pid: int) -> tuple[float, float] | None:
+    """``(user s, system s)`` of ``pid`` from ``/proc/PID/stat``: every thread's, including
+    threads that have ended (None if the process is gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()
+    return int(fields[11]) / _TICK, int(fields[12]) / _TICK
 
 
 def thread_times(pid: int) -> dict[str, tuple[float, float]]:
@@ -149,13 +161,18 @@ def sample(pattern: str, seconds: float, interval: float, min_pct: float,
           + (f"Python thread names from {exe} dump ([native]: runs no Python, [?]: not known "
              "yet)" if exe else "no py-spy: Linux thread names only"), flush=True)
     before: dict[int, dict[str, tuple[float, float]]] = {}
+    totals: dict[int, tuple[float, float] | None] = {}
     naming: dict[int, _Names] = {}
     printed: set[int] = set()
     seen = False
     deadline = time.monotonic() + max(seconds, interval)
+    taken = time.monotonic()
     while True:
+        previous, taken = taken, time.monotonic()
+        elapsed = max(taken - previous, 1e-9) if before else interval
         now = {pid: thread_times(pid) for pid in _pids(pattern)}
         now = {pid: threads for pid, threads in now.items() if threads}
+        now_totals = {pid: process_times(pid) for pid in now}
         seen = seen or bool(now)
         for pid in before.keys() - now.keys():
             print(f"# pid {pid} ended" if pid in printed else
@@ -176,15 +193,18 @@ def sample(pattern: str, seconds: float, interval: float, min_pct: float,
             for k, (u, s) in threads.items():
                 u0, s0 = old.get(k, (0.0, 0.0))  # a thread new in this interval: all of it
                 user, sys_ = user + u - u0, sys_ + s - s0
-                busy.append((100 * (u - u0 + s - s0) / interval,
+                busy.append((100 * (u - u0 + s - s0) / elapsed,
                              naming[pid].label(k) if exe is not None else k))
+            t0, t1 = totals.get(pid), now_totals.get(pid)
+            if t0 is not None and t1 is not None:  # with threads that ended meanwhile
+                user, sys_ = t1[0] - t0[0], t1[1] - t0[1]
             busy.sort(reverse=True)
             shown = ", ".join(f"{k} {p:.0f}" for p, k in busy if p >= min_pct)
-            print(f"{time.strftime('%H:%M:%S')} pid {pid}: user {100 * user / interval:.0f} "
-                  f"% + system {100 * sys_ / interval:.0f} %" + (f"; {shown}" if shown else ""),
+            print(f"{time.strftime('%H:%M:%S')} pid {pid}: user {100 * user / elapsed:.0f} "
+                  f"% + system {100 * sys_ / elapsed:.0f} %" + (f"; {shown}" if shown else ""),
                   flush=True)
             printed.add(pid)
-        before = now
+        before, totals = now, now_totals
         if time.monotonic() >= deadline:
             return seen
         time.sleep(interval)
@@ -206,15 +226,18 @@ def main() -> int:
     parser.add_argument("--no-names", action="store_true",
                         help="do not ask py-spy for the threads' Python names")
     args = parser.parse_args()
-    if not 0 < args.interval < float("inf"):
-        parser.error(f"--interval must be above 0 s and finite, not {args.interval:g}")
+    if not 0.1 <= args.interval <= 3600:  # /proc counts 10 ms ticks; time.sleep's bound
+        parser.error(f"--interval must be 0.1-3600 s, not {args.interval:g}")
+    if not 0 <= args.min_pct < float("inf"):
+        parser.error(f"--min-pct must be at least 0 and finite, not {args.min_pct:g}")
     if not 0 <= args.seconds < float("inf"):
         parser.error(f"--seconds must be at least 0 and finite, not {args.seconds:g}")
     if not args.pattern.strip():
         parser.error("PATTERN must not be empty (it would match every process)")
     if not sample(args.pattern, args.seconds, args.interval, args.min_pct,
                   names=not args.no_names):
-        print(f"no process's command line holds {args.pattern!r}", file=sys.stderr)
+        print(f"no process's command line holds {args.pattern!r} (launchers are left out: "
+              f"{', '.join(sorted(_WRAPPERS))})", file=sys.stderr)
         return 1
     return 0
 

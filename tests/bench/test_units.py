@@ -407,10 +407,14 @@ def test_the_backlog_rate_is_over_the_answering_samples_or_a_stated_lower_bound(
     rate, text = backlog_rate([(8.9, 4991), (10.0, 5000)], 7.76)
     assert rate == round(5000 / (10.0 - 7.76))
     assert "4,991 were answered by the first sample" in text
-    # a sample where /metrics did not answer is not a count of 0
-    assert backlog_rate([(3.0, 1000), (4.0, 3000), (5.0, None)], 2.5) == (2000, "2,000/s")
+    # a sample where /metrics did not answer is not a count of 0, and the line says so
+    assert backlog_rate([(3.0, 1000), (4.0, 3000), (5.0, None)], 2.5) == (
+        2000, "2,000/s; 1 of 3 /metrics polls failed")
+    assert backlog_rate([(3.0, None)], 2.5) == (None, "the worker's /metrics never answered")
+    # a restarted worker's count starts again: the highest count stands
+    assert backlog_rate([(1.0, 1000), (2.0, 5000), (3.0, 0)], 0.5) == (4000, "4,000/s")
     assert backlog_rate([(3.0, 0), (4.0, 0)], 2.5) == (None, "none answered")
-    assert backlog_rate([], 2.5) == (None, "none answered")
+    assert backlog_rate([], 2.5) == (None, "the worker's /metrics never answered")
 
 
 def test_table_memory_refuses_a_bad_table_setting_only_for_the_run_that_takes_it() -> None:
@@ -438,3 +442,11 @@ def test_table_memory_refuses_a_bad_table_setting_only_for_the_run_that_takes_it
                            timeout=120)
     assert faust.returncode == 2
     assert "state_flush_interval_ms" in faust.stderr and "Traceback" not in faust.stderr
+    # exactly-once keeps device tables in memory, and --json must name a file: refused before
+    # any run, in one line (re-trial)
+    for extra_env, extra_args, said in (
+            ({"STREAMAPP_PROCESSING_GUARANTEE": "exactly_once"}, [], "exactly_once"),
+            ({}, ["--json", str(Path(__file__).parent)], "--json")):
+        bad = subprocess.run([*args, "faust", *extra_args], env={**os.environ, **extra_env},
+                             capture_output=True, text=True, timeout=120)
+        assert bad.returncode == 2 and said in bad.stderr and "Traceback" not in bad.stderr
