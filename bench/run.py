@@ -189,9 +189,9 @@ def backlog_rate(series: list[tuple[float, int | None]], ready_s: float
     to print it.
 
     Over the samples from the first to the first that had the highest count (time after the
-    last answer does not dilute it). When the first sample already had half of them or more,
-    that span holds only the stragglers: then the rate is the final count over the time
-    from ready (``ready_s``) to the first sample that had it, and the line says so.
+    last answer does not dilute it). When the first sample already had half of that count or
+    more, that span holds only the stragglers: then the rate is the highest count over the
+    time from ready (``ready_s``) to the first sample that had it, and the line says so.
     """
     points = [(t, count) for t, count in series if count is not None]
     if not points:
@@ -206,8 +206,10 @@ def backlog_rate(series: list[tuple[float, int | None]], ready_s: float
     if done_t > first_t and 2 * first_count < final:
         rate = round((final - first_count) / (done_t - first_t))
         return rate, f"{rate:,}/s{note}"
+    if not done_t > ready_s:  # not from Bench.backlog, whose samples start after ready
+        return None, f"{final:,} answered {done_t:g} s after launch, ready at {ready_s:g} s"
     rate = round(final / max(done_t - ready_s, 1e-3))
-    return rate, (f"{rate:,}/s from ready to the sample that had them all: "
+    return rate, (f"{rate:,}/s from ready to the first sample with {final:,}: "
                   f"{first_count:,} were answered by the first sample, "
                   f"{first_t - ready_s:.1f} s after ready{note}")
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import os
 import random
 import subprocess
@@ -182,8 +181,10 @@ def _summary(samples: list[dict[str, Any]], heads: dict[str, dict[str, Any]]) ->
 def _environment(config: str) -> dict[str, str]:
     """The environment of ``config``'s run: Faust's defaults take no STREAMAPP_TABLE_*
     setting, so one it does not use cannot fail that run (every other setting is checked)."""
+    from streamapp.settings import ENV_PREFIX
+
     return {k: v for k, v in os.environ.items()
-            if config == "streamapp" or not k.upper().startswith("STREAMAPP_TABLE_")}
+            if config == "streamapp" or not k.upper().startswith(f"{ENV_PREFIX}TABLE_")}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -209,15 +210,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown or not configs:
         parser.error(f"unknown config(s) {', '.join(unknown) or repr(args.configs)}; use "
                      f"{', '.join(CONFIGS)}")
-    for name in ("devices", "rate", "seconds", "partitions", "sample_s", "idle_s"):
+    # upper bounds: what one run of this tool can do in reasonable time and memory
+    for name, most in (("devices", 1_000_000), ("rate", 1e7), ("seconds", 1e7),
+                       ("partitions", 1024), ("sample_s", 1e7), ("idle_s", 86_400)):
         value = getattr(args, name)
-        if not (0 <= value if name == "idle_s" else 0 < value) or not math.isfinite(value):
+        if not (0 <= value if name == "idle_s" else 0 < value) or not value <= most:
             parser.error(f"--{name.replace('_', '-')} must be "
-                         f"{'at least' if name == 'idle_s' else 'above'} 0 and finite, "
-                         f"not {value}")
-    if args.json is not None and (not str(args.json).strip() or args.json.is_dir()
-                                  or not args.json.parent.is_dir()):
-        parser.error(f"--json: {str(args.json)!r} is not a file path in an existing directory")
+                         f"{'at least' if name == 'idle_s' else 'above'} 0 and at most "
+                         f"{most:,g}, not {value}")
+    if args.json is not None:
+        try:  # written at the end: a path that cannot be is refused before the run
+            if not str(args.json).strip() or args.json.is_dir():
+                raise IsADirectoryError("a directory")
+            with args.json.open("a"):
+                pass
+        except OSError as exc:
+            parser.error(f"--json: cannot write a file at {str(args.json)!r} "
+                         f"({exc.strerror or exc})")
     from streamapp.exceptions import ConfigError
     from streamapp.settings import load_settings
 
@@ -228,6 +237,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                                          topic_partitions=args.partitions)
         except ConfigError as exc:
             parser.error(f"{exc} (the {config} run)")
+        if settings.state_flush_interval_ms <= 0:
+            parser.error("state_flush_interval_ms must be above 0 here: the simulated clock "
+                         "steps by the flush interval")
+        steps = args.seconds / (settings.state_flush_interval_ms / 1e3)
+        if steps > 1_000_000:
+            parser.error(f"--seconds {args.seconds:g} at a state_flush_interval_ms of "
+                         f"{settings.state_flush_interval_ms:g} is {steps:g} flushes: the "
+                         "simulated clock steps by the flush interval, so it must be above 0 "
+                         "and the run at most 1,000,000 flushes")
         if settings.processing_guarantee == "exactly_once":
             parser.error("processing_guarantee=exactly_once keeps device tables in memory, "
                          "not in RocksDB: this measures RocksDB stores (unset "

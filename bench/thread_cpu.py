@@ -190,8 +190,11 @@ def sample(pattern: str, seconds: float, interval: float, min_pct: float,
                 continue
             user = sys_ = 0.0
             busy = []
+            # by thread id: a thread that renamed itself (prctl) keeps its baseline
+            old_by_tid = {k.rsplit("/", 1)[1]: v for k, v in old.items()}
             for k, (u, s) in threads.items():
-                u0, s0 = old.get(k, (0.0, 0.0))  # a thread new in this interval: all of it
+                # a thread new in this interval: all of its time is in it
+                u0, s0 = old_by_tid.get(k.rsplit("/", 1)[1], (0.0, 0.0))
                 user, sys_ = user + u - u0, sys_ + s - s0
                 busy.append((100 * (u - u0 + s - s0) / elapsed,
                              naming[pid].label(k) if exe is not None else k))

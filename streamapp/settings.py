@@ -1095,16 +1095,17 @@ def load_settings(**overrides: Any) -> Settings:
     """
     given = {k: v for k, v in overrides.items() if v is not None}
     fields = Settings.model_fields
+    # The settings are read whatever the case of the names, so the check ignores it too.
     unknown = sorted(
         name for name in os.environ
-        if name.startswith(ENV_PREFIX) and name[len(ENV_PREFIX):].lower() not in fields
-        and name not in OTHER_ENV
+        if name.upper().startswith(ENV_PREFIX) and name[len(ENV_PREFIX):].lower() not in fields
+        and name.upper() not in OTHER_ENV
     )
     if unknown:
         known = [f"{ENV_PREFIX}{f.upper()}" for f in Settings.model_fields]
         hints = [
             f"{name} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(
-                name, known, n=1)) else name
+                name.upper(), known, n=1)) else name
             for name in unknown
         ]
         raise ConfigError(f"unknown setting(s) in the environment: {', '.join(hints)}")

@@ -507,6 +507,20 @@ def test_a_misspelt_setting_in_the_environment_is_still_refused(
     assert "KAFKA_HOME" not in str(info.value)
 
 
+def test_a_lowercase_setting_is_read_and_a_lowercase_misspelt_one_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The settings are read whatever the case of the variable's name, so a misspelt one in
+    lower case is refused like an upper-case one, not ignored (re-trial, thirteenth
+    session: ``streamapp_bogus=1`` was silently ignored)."""
+    monkeypatch.setenv("streamapp_max_batch_size", "48")
+    assert load_settings().max_batch_size == 48
+    monkeypatch.setenv("streamapp_max_batch_siz", "48")
+    with pytest.raises(ConfigError, match="unknown setting") as info:
+        load_settings()
+    assert "streamapp_max_batch_siz (did you mean STREAMAPP_MAX_BATCH_SIZE?)" in str(info.value)
+
+
 def test_every_prefixed_variable_the_project_reads_is_a_setting_or_listed_as_other() -> None:
     """A ``"STREAMAPP_..."`` literal in the code is a setting's variable or one of
     ``OTHER_ENV``; otherwise a worker started where it is set would refuse to start."""
