@@ -16,7 +16,7 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,22 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def free_ports(n: int, host: str = "127.0.0.1", exclude: Collection[int] = ()) -> list[int]:
+    """``n`` distinct TCP ports the OS considered free a moment ago on ``host``, none of them
+    in ``exclude``. The sockets are held until all are bound, so that two calls to
+    :func:`free_port` in a row cannot hand out the same port twice (a Kafka node once got
+    one port for its client and controller listeners, and refused to start)."""
+    with contextlib.ExitStack() as stack:
+        ports: list[int] = []
+        while len(ports) < n:
+            sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            sock.bind((host, 0))
+            port = int(sock.getsockname()[1])
+            if port not in exclude:
+                ports.append(port)
+        return ports
 
 
 def port_taken(host: str, port: int) -> bool:

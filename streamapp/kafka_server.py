@@ -43,7 +43,7 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import IO, Any
 
-from streamapp.children import free_port, popen_child, port_taken, read_tail, terminate_group
+from streamapp.children import free_ports, popen_child, port_taken, read_tail, terminate_group
 from streamapp.exceptions import BrokerError
 from streamapp.kafka import describe_error, run_sync
 from streamapp.kafka_security import BrokerSecurity
@@ -541,10 +541,15 @@ class KafkaBroker:
             self._cluster_id, numbers = fields[0], [int(f) for f in fields[1:]]
         else:
             self._cluster_id = _new_cluster_id()
+            # distinct ports (held together while picked): a node whose client and
+            # controller listeners got the same port fails to format its storage
+            requested = [self._requested_port] if self._requested_port else []
+            picked = iter(free_ports(2 * self._n - len(requested), self._host,
+                                     exclude=requested))
             numbers = []
             for i in range(self._n):
-                client = self._requested_port if (i == 0 and self._requested_port) else None
-                numbers += [client or free_port(self._host), free_port(self._host)]
+                client = requested[0] if (i == 0 and requested) else next(picked)
+                numbers += [client, next(picked)]
         if len(numbers) != 2 * self._n:
             raise BrokerError(
                 f"{self._dir} holds a Kafka cluster of {len(numbers) // 2} nodes, not "
