@@ -258,8 +258,11 @@ def plan_children(
             f"web ports {web_port}…{web_port + n - 1} go beyond 65535; lower --web-port"
         )
     if web_port == 0 and free_port is None:
-        from streamapp.process import free_port as free_port_
-        free_port = free_port_
+        from streamapp.children import free_ports
+
+        # picked together, so that two children cannot be handed the same port
+        picked = iter(free_ports(n))
+        free_port = picked.__next__
     prefix = group_instance_id or (host or socket.gethostname())
     return [
         ChildSpec(
