@@ -34,28 +34,31 @@ __all__ = ["process_times", "python_thread_names", "sample", "thread_times"]
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
+def _stat(path: Path) -> tuple[str, float, float] | None:
+    """``(name, user s, system s)`` from a ``/proc`` ``stat`` file (None if it is gone)."""
+    try:
+        stat = path.read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()  # fields[11], [12]: utime, stime
+    return (stat[stat.index("(") + 1: stat.rindex(")")], int(fields[11]) / _TICK,
+            int(fields[12]) / _TICK)
+
+
 def process_times(pid: int) -> tuple[float, float] | None:
     """``(user s, system s)`` of ``pid`` from ``/proc/PID/stat``: every thread's, including
     threads that have ended (None if the process is gone)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2:].split()
-    return int(fields[11]) / _TICK, int(fields[12]) / _TICK
+    got = _stat(Path(f"/proc/{pid}/stat"))
+    return None if got is None else (got[1], got[2])
 
 
 def thread_times(pid: int) -> dict[str, tuple[float, float]]:
     """``{"name/tid": (user s, system s)}`` of each thread of ``pid`` (empty if it is gone)."""
     out: dict[str, tuple[float, float]] = {}
     for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            stat = (task / "stat").read_text()
-        except OSError:
-            continue
-        name = stat[stat.index("(") + 1: stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2:].split()  # fields[11], [12]: utime, stime
-        out[f"{name}/{task.name}"] = (int(fields[11]) / _TICK, int(fields[12]) / _TICK)
+        got = _stat(task / "stat")
+        if got is not None:
+            out[f"{got[0]}/{task.name}"] = got[1], got[2]
     return out
 
 

@@ -34,9 +34,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     Another process may take it before the caller binds it: callers that start a server on it
     retry on a new port when the bind fails (see :class:`streamapp.broker.EmbeddedBroker`).
     """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    return free_ports(1, host)[0]
 
 
 def free_ports(n: int, host: str = "127.0.0.1", exclude: Collection[int] = ()) -> list[int]:

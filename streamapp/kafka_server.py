@@ -544,12 +544,8 @@ class KafkaBroker:
             # distinct ports (held together while picked): a node whose client and
             # controller listeners got the same port fails to format its storage
             requested = [self._requested_port] if self._requested_port else []
-            picked = iter(free_ports(2 * self._n - len(requested), self._host,
-                                     exclude=requested))
-            numbers = []
-            for i in range(self._n):
-                client = requested[0] if (i == 0 and requested) else next(picked)
-                numbers += [client, next(picked)]
+            numbers = requested + free_ports(2 * self._n - len(requested), self._host,
+                                             exclude=requested)
         if len(numbers) != 2 * self._n:
             raise BrokerError(
                 f"{self._dir} holds a Kafka cluster of {len(numbers) // 2} nodes, not "
