@@ -57,7 +57,8 @@ fi
 [ -f .kafka/libs/kafka_2.13-4.4.0.jar ] && export STREAMAPP_KAFKA_HOME=$PWD/.kafka
 export STREAMAPP_KAFKA_JVM_OPTS=${STREAMAPP_KAFKA_JVM_OPTS:-"-Xms2g -Xmx4g -XX:+UseG1GC -XX:MaxGCPauseMillis=20 -Djava.awt.headless=true"}
 { date -u; nproc; git log -1 --format=%h 2>/dev/null; java -version 2>&1 | head -1
-  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; } > "$OUT/env.txt" 2>&1
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  python3 -m bench.host_speed; } > "$OUT/env.txt" 2>&1
 step() {  # name timeout_s command...
   local name=$1 limit=$2; shift 2
   echo "== $name ($(date -u +%T), at most $limit s)" | tee -a "$OUT/$PART.log"

@@ -50,6 +50,7 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
   date -u
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   nproc; lscpu | grep "Model name"
+  python3 -m bench.host_speed
   python3 -c "import torch,torchvision,onnx,onnxruntime,faust,aiokafka,numpy;print('torch',torch.__version__,'torchvision',torchvision.__version__,'onnx',onnx.__version__,'onnxruntime',onnxruntime.__version__,'faust',faust.__version__,'aiokafka',aiokafka.__version__,'numpy',numpy.__version__)"
   python3 -c "from engines import available_backends; print('backends', available_backends())"
 } > "$OUT/env.txt" 2>&1
