@@ -99,6 +99,10 @@ def main(argv: list[str] | None = None) -> int:
                      "runs (after a warm-up), the CPU per record below saturation")
     hot.add_argument("--warmup", type=int, default=2_000, metavar="N",
                      help="with --rate: requests drained before the paced ones")
+    hot.add_argument("--partitions", type=int, default=32, metavar="P",
+                     help="partitions of every topic (the GPU p99 step: 8)")
+    hot.add_argument("--devices", type=int, default=256, metavar="D",
+                     help="distinct device keys of the requests (the GPU p99 step: 16)")
     iso = sub.add_parser("isolation", help="inference latency with and without a web flood "
                          "or a failing stream, side by side in one run (issue 19)")
     iso.add_argument("--scenarios", default=",".join(SCENARIOS),
@@ -190,6 +194,8 @@ def _hotpath(args: argparse.Namespace, parser: argparse.ArgumentParser,
                      f"use {', '.join(RUNGS)}")
     if args.rate is not None and args.rate <= 0:
         parser.error(f"--rate {args.rate:g}: must be above 0 records/s")
+    if not 1 <= args.partitions <= 1024 or not 1 <= args.devices <= 1_000_000:
+        parser.error("--partitions must be 1-1024 and --devices 1-1,000,000")
     if args.uvloop:
         try:
             import uvloop  # noqa: F401
@@ -205,7 +211,8 @@ def _hotpath(args: argparse.Namespace, parser: argparse.ArgumentParser,
                            uvloop=args.uvloop, worker_env=env,
                            yardstick_batch=args.yardstick_batch, profile_s=args.profile_s,
                            profile_after_s=args.profile_after_s, rate=args.rate,
-                           warmup=args.warmup)
+                           warmup=args.warmup, partitions=args.partitions,
+                           devices=args.devices)
     # SIGTERM (an outer `timeout`) unwinds like Ctrl-C: the broker and the child are stopped
     # and what was measured is already written.
     signal.signal(signal.SIGTERM, lambda _sig, _frame: sys.exit(128 + signal.SIGTERM))

@@ -38,6 +38,8 @@
 #          then the p99 step again (thirteenth session); thirteenth-b: the tensors with
 #          K = 48,000 and the relays, then the p99 step with the defaults, uvloop and 16 KiB
 #          fetches;
+# fourteenth: digits p99 at 70 % with .ab/head (carried), this tree, and this tree with
+#          16 KiB / 3 ms fetches, in one call;
 # groups:  digits and JPEGs at N = 8, 16 on a broker with Kafka's default initial rebalance
 #          delay (3 s), then N = 16 with the test brokers' 0 (BENCH_KAFKA_PROPS).
 # Every step has its own timeout, so the call ends inside the device tool's limit. Writes
@@ -287,6 +289,28 @@ elif [ "$PART" = thirteenth-t ]; then
     BENCH_OL_S=8 BENCH_GENERATOR=process python3 -m bench run --profile gpu --broker kafka \
     --only digits --no-backlog --no-scaleout --profile-open-loop --budget-s 145 \
     --out "$W/digits-p99-t" --logs "$W/digits-p99-t/logs"
+elif [ "$PART" = fourteenth ]; then
+  # Fourteenth session: digits p99 at 70 % with .ab/head (the tree before the direct
+  # intake's hand-over without Faust's wait_first; `git archive dafdd79 streamapp engines
+  # bench scripts pyproject.toml`, its bench/ replaced by this tree's), then this tree, then
+  # this tree with fetches that wait for 16 KiB / 3 ms, in one call (~6.5 min).
+  # FOURTEENTH_STEPS picks and orders them (default: "before after fetch16k").
+  [ -d .ab/head/streamapp ] || { echo "no .ab/head tree (carry it)" >&2; exit 2; }
+  rm -rf .ab/head/bench && cp -r bench .ab/head/bench
+  for v in ${FOURTEENTH_STEPS:-before after fetch16k}; do
+    tree=.; extra=()
+    case $v in
+      before) tree=.ab/head ;;
+      fetch16k) extra=(STREAMAPP_FETCH_MIN_BYTES=16384 STREAMAPP_FETCH_MAX_WAIT_MS=3) ;;
+      uvloop) extra=(STREAMAPP_EVENT_LOOP=uvloop) ;;
+    esac
+    mkdir -p "$W/digits-p99-$v"
+    (cd "$tree" && step "digits-p99-$v" 170 env PYTHONPATH="/tmp/site:$PWD" \
+      STREAMAPP_INTAKE=direct BENCH_SKIP=anchor,exactly_once,policy BENCH_OL_S=8 \
+      BENCH_GENERATOR=process "${extra[@]}" python3 -m bench run --profile gpu --broker kafka \
+      --only digits --no-backlog --no-scaleout --budget-s 145 --out "$W/digits-p99-$v" \
+      --logs "$W/digits-p99-$v/logs")
+  done
 elif [ "$PART" = thirteenth-b ]; then
   # Thirteenth session, second call: the tensors at N = 16 with a longer drain (K = 48,000)
   # against the engine and the relays, then digits p99 at 70 % with the defaults, on uvloop,

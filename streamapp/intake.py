@@ -10,8 +10,9 @@ yardstick's ~100 µs per record against 3–4 µs for a plain aiokafka relay.
 
 With ``intake=direct`` (:func:`streamapp.faust_compat.install_direct_intake`) Faust's drain loop
 hands the records of the request and retry topics, as fetched, to an :class:`IntakeBuffer` per
-topic, once per fetched partition and no longer per record; the agents take them from there
-(:meth:`IntakeBuffer.chunks`). Everything else stays Faust's: the consumer group and
+topic, once per fetched partition and no longer per record, without Faust's per-call tasks
+when nothing has to wait; the agents take them from there (:meth:`IntakeBuffer.chunks`), the
+lists of several partitions together when they waited together. Everything else stays Faust's: the consumer group and
 rebalances, the fetcher and its thread, table changelogs and recovery, flow control (a fetched
 list waits for ``app.flow_control`` and for the producer buffer to ebb, as Faust's conductor
 waits per record; when the flow is suspended by a rebalance, the list is dropped, as Faust
@@ -90,6 +91,16 @@ class IntakeBuffer:
         self._lists.append(records)
         self._nonempty.set()
 
+    def put_nowait(self, records: list[DirectRecord]) -> bool:
+        """Queue one partition's fetched records if there is room (fewer than ``limit``
+        queued); returns False, queueing nothing, when :meth:`put` would wait."""
+        if self.queued >= self.limit:
+            return False
+        self.queued += len(records)
+        self._lists.append(records)
+        self._nonempty.set()
+        return True
+
     def clear(self) -> int:
         """Drop every queued list (their partitions were revoked); returns how many records."""
         dropped = sum(len(r) for r in self._lists)
@@ -101,22 +112,44 @@ class IntakeBuffer:
         return dropped
 
     async def chunks(self, stream: Any, max_: int) -> AsyncIterator[list[DirectRecord]]:
-        """What waits, in chunks of at most ``max_`` records of one partition, as soon as it
-        is there (no intake window: a fetched list is already a batch); ends when ``stream``
-        (the agent's Faust stream, the one it would have iterated) stops."""
-        while not stream.should_stop:
-            if not self._lists:
-                self._nonempty.clear()
-                await stream.wait_for_stopped(self._nonempty)
-                continue
-            records = self._lists.popleft()
-            for start in range(0, len(records), max_):
-                chunk = records[start:start + max_]
-                yield chunk
-                # counted until the agent is done with it (FaustConsumer.settled)
-                self.queued -= len(chunk)
-                if self.queued < self.limit:
-                    self._room.set()
+        """What waits, in chunks of at most ``max_`` records, as soon as it is there (no
+        intake window: a fetched list is already a batch); ends when ``stream`` (the agent's
+        Faust stream, the one it would have iterated) stops.
+
+        A chunk is one fetched list, a slice of a list longer than ``max_``, or whole lists
+        of several partitions that waited together and fit in ``max_``: each partition's
+        records stay in offset order. Paced, a fetch brings a few records per partition,
+        and the agent's cost per chunk (admission, back pressure) was paid per partition
+        (issue 17). The agent waits on an :class:`asyncio.Event`, not through the stream's
+        ``wait_for_stopped`` (Faust's ``wait_first``: four tasks a wait); one task per call
+        wakes it when the stream stops.
+        """
+        lists = self._lists
+        watcher = asyncio.ensure_future(self._wake_on_stop(stream))
+        try:
+            while not stream.should_stop:
+                if not lists:
+                    self._nonempty.clear()
+                    await self._nonempty.wait()
+                    continue
+                records = lists.popleft()
+                if lists and len(records) < max_ and len(records) + len(lists[0]) <= max_:
+                    records = list(records)
+                    while lists and len(records) + len(lists[0]) <= max_:
+                        records += lists.popleft()
+                for start in range(0, len(records), max_):
+                    chunk = records[start:start + max_] if len(records) > max_ else records
+                    yield chunk
+                    # counted until the agent is done with it (FaustConsumer.settled)
+                    self.queued -= len(chunk)
+                    if self.queued < self.limit:
+                        self._room.set()
+        finally:
+            watcher.cancel()
+
+    async def _wake_on_stop(self, stream: Any) -> None:
+        await stream.wait_for_stopped(asyncio.Event())  # never set: returns on the stop
+        self._nonempty.set()
 
 
 def direct_records(topic: str, partition: int, records: Iterable[Any]) -> list[DirectRecord]:

@@ -68,6 +68,36 @@ async def test_chunks_are_at_most_max_records_of_one_partition_in_offset_order()
     assert await agent.next() == [(1, 7), (1, 8), (1, 9)]
 
 
+async def test_lists_of_several_partitions_that_waited_together_come_as_one_chunk() -> None:
+    """Paced, a fetch brings a few records per partition: the agent takes what waits in one
+    chunk of at most ``max_``, each partition's records in offset order (issue 17)."""
+    buffer = IntakeBuffer(limit=1000)
+    agent = _Agent(buffer, max_=8)
+    await buffer.put(_records(0, 10, 3))
+    await buffer.put(_records(1, 20, 2))
+    await buffer.put(_records(0, 13, 2))
+    await buffer.put(_records(2, 0, 4))  # 3 + 2 + 2 + 4 > 8: the next chunk
+
+    assert await agent.next() == [(0, 10), (0, 11), (0, 12), (1, 20), (1, 21), (0, 13), (0, 14)]
+    assert await agent.next() == [(2, 0), (2, 1), (2, 2), (2, 3)]
+    assert buffer.put_nowait(_records(3, 5, 1))
+    assert await agent.next() == [(3, 5)]
+
+
+async def test_put_nowait_queues_nothing_when_put_would_wait() -> None:
+    buffer = IntakeBuffer(limit=4)
+    assert buffer.put_nowait(_records(0, 0, 6))  # room for one list: a long one goes in alone
+    assert not buffer.put_nowait(_records(1, 0, 1))
+    assert (buffer.queued, buffer.waiting) == (6, 0)
+
+    agent = _Agent(buffer, max_=64)
+    assert await agent.next() == [(0, o) for o in range(6)]
+    later = asyncio.ensure_future(agent.next())  # done with it: room again
+    await asyncio.wait_for(_until(lambda: buffer.queued == 0), timeout=5)
+    assert buffer.put_nowait(_records(1, 0, 1))
+    assert await asyncio.wait_for(later, timeout=5) == [(1, 0)]
+
+
 async def test_fetched_records_count_until_the_agent_is_done_with_them() -> None:
     """FaustConsumer.settled reads empty(): the gap sweeper must not take records the agent
     holds for records the consumer skipped."""
