@@ -12,12 +12,13 @@ With ``intake=direct`` (:func:`streamapp.faust_compat.install_direct_intake`) Fa
 hands the records of the request and retry topics, as fetched, to an :class:`IntakeBuffer` per
 topic, once per fetched partition and no longer per record, without Faust's per-call tasks
 when nothing has to wait; the agents take them from there (:meth:`IntakeBuffer.chunks`), the
-lists of several partitions together when they waited together. Everything else stays Faust's: the consumer group and
-rebalances, the fetcher and its thread, table changelogs and recovery, flow control (a fetched
-list waits for ``app.flow_control`` and for the producer buffer to ebb, as Faust's conductor
-waits per record; when the flow is suspended by a rebalance, the list is dropped, as Faust
-drops a record then, and read again from the committed offset), and back pressure (a full
-buffer stops the drain loop, so the fetcher stops fetching). Offsets are committed by
+lists of several partitions together when they waited together. Everything else stays
+Faust's: the consumer group and rebalances, the fetcher and its thread, table changelogs and
+recovery, flow control (a fetched list waits for ``app.flow_control`` and for the producer
+buffer to ebb, as Faust's conductor waits per record; when the flow is suspended by a
+rebalance, the list is dropped, as Faust drops a record then, and read again from the
+committed offset), and back pressure (a full buffer stops the drain loop, so the fetcher stops
+fetching). Offsets are committed by
 :mod:`streamapp.delivery` in both modes.
 """
 
