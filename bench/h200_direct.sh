@@ -294,7 +294,8 @@ elif [ "$PART" = fourteenth ]; then
   # intake's hand-over without Faust's wait_first; `git archive dafdd79 streamapp engines
   # bench scripts pyproject.toml`, its bench/ replaced by this tree's), then this tree, then
   # this tree with fetches that wait for 16 KiB / 3 ms, in one call (~6.5 min).
-  # FOURTEENTH_STEPS picks and orders them (default: "before after fetch16k").
+  # FOURTEENTH_STEPS picks and orders them (default: "before after fetch16k"; also
+  # fetch16k5: 16 KiB / 5 ms, and uvloop).
   [ -d .ab/head/streamapp ] || { echo "no .ab/head tree (carry it)" >&2; exit 2; }
   rm -rf .ab/head/bench && cp -r bench .ab/head/bench
   for v in ${FOURTEENTH_STEPS:-before after fetch16k}; do
@@ -302,6 +303,7 @@ elif [ "$PART" = fourteenth ]; then
     case $v in
       before) tree=.ab/head ;;
       fetch16k) extra=(STREAMAPP_FETCH_MIN_BYTES=16384 STREAMAPP_FETCH_MAX_WAIT_MS=3) ;;
+      fetch16k5) extra=(STREAMAPP_FETCH_MIN_BYTES=16384 STREAMAPP_FETCH_MAX_WAIT_MS=5) ;;
       uvloop) extra=(STREAMAPP_EVENT_LOOP=uvloop) ;;
     esac
     mkdir -p "$W/digits-p99-$v"
