@@ -448,7 +448,10 @@ async def _drain_direct(consumer: Any, fetcher: Any, intake: Mapping[str, Intake
         while not (stopped() or fetcher_stopped()):
             consumer.diag.set_flag(CONSUMER_FETCHING)
             records, active = await consumer._wait_next_records(1.0)
-            await consumer.sleep(0)
+            # Faust awaits consumer.sleep(0) here: asyncio.wait_for on the stopped event, a
+            # task started and cancelled per fetch (13 µs against 2.5 µs on the 2-core
+            # machine); a bare yield does the same, and the loop checks the stop next.
+            await asyncio.sleep(0)
             if records is None or consumer.should_stop:
                 continue
             if not consumer.flow_active:
