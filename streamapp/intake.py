@@ -18,8 +18,7 @@ recovery, flow control (a fetched list waits for ``app.flow_control`` and for th
 buffer to ebb, as Faust's conductor waits per record; when the flow is suspended by a
 rebalance, the list is dropped, as Faust drops a record then, and read again from the
 committed offset), and back pressure (a full buffer stops the drain loop, so the fetcher stops
-fetching). Offsets are committed by
-:mod:`streamapp.delivery` in both modes.
+fetching). Offsets are committed by :mod:`streamapp.delivery` in both modes.
 """
 
 from __future__ import annotations
