@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import signal
 import sys
 import time
@@ -192,10 +193,14 @@ def _hotpath(args: argparse.Namespace, parser: argparse.ArgumentParser,
     if unknown or not rungs:
         parser.error(f"--rungs: unknown {', '.join(unknown) or '(none given)'}; "
                      f"use {', '.join(RUNGS)}")
-    if args.rate is not None and args.rate <= 0:
-        parser.error(f"--rate {args.rate:g}: must be above 0 records/s")
-    if not 1 <= args.partitions <= 1024 or not 1 <= args.devices <= 1_000_000:
-        parser.error("--partitions must be 1-1024 and --devices 1-1,000,000")
+    if args.rate is not None and not 0 < args.rate < math.inf:  # nan fails this too
+        parser.error(f"--rate {args.rate:g}: must be a finite number above 0 records/s")
+    if args.requests < 1 or args.warmup < 0:
+        parser.error("--requests must be at least 1 and --warmup at least 0")
+    if not 1 <= args.partitions <= 1024:
+        parser.error(f"--partitions {args.partitions}: must be 1-1024")
+    if not 1 <= args.devices <= 1_000_000:
+        parser.error(f"--devices {args.devices}: must be 1-1,000,000")
     if args.uvloop:
         try:
             import uvloop  # noqa: F401
