@@ -75,6 +75,23 @@ scaleout() {  # name timeout_s out_dir broker_props args...: the workers of this
     scaleout --profile gpu --broker kafka --gpu-executor shared --no-mps \
     --out "$W/$dir" --logs "$W/$dir/logs" "$@"
 }
+p99_variant() {  # name: digits p99 at 70 % (one worker, generator in its own process) as
+  # default/after (this tree), before (.ab/head's tree), uvloop, fetch16k (16 KiB / 3 ms),
+  # fetch16k5 (16 KiB / 5 ms); writes $W/digits-p99-NAME
+  local v=$1 tree=. extra=()
+  case $v in
+    before) tree=.ab/head ;;
+    uvloop) extra=(STREAMAPP_EVENT_LOOP=uvloop) ;;
+    fetch16k) extra=(STREAMAPP_FETCH_MIN_BYTES=16384 STREAMAPP_FETCH_MAX_WAIT_MS=3) ;;
+    fetch16k5) extra=(STREAMAPP_FETCH_MIN_BYTES=16384 STREAMAPP_FETCH_MAX_WAIT_MS=5) ;;
+  esac
+  mkdir -p "$W/digits-p99-$v"
+  (cd "$tree" && step "digits-p99-$v" 170 env PYTHONPATH="/tmp/site:$PWD" \
+    STREAMAPP_INTAKE=direct BENCH_SKIP=anchor,exactly_once,policy BENCH_OL_S=8 \
+    BENCH_GENERATOR=process "${extra[@]}" python3 -m bench run --profile gpu --broker kafka \
+    --only digits --no-backlog --no-scaleout --budget-s 145 --out "$W/digits-p99-$v" \
+    --logs "$W/digits-p99-$v/logs")
+}
 if [ "$PART" = hotpath ]; then
   step ab 200 env OUT="$W/ab" SKIP_INSTALL=1 REQUESTS=40000 \
     VARIANTS="faust=STREAMAPP_INTAKE=faust direct=STREAMAPP_INTAKE=direct" bash bench/h200_ab.sh
@@ -298,21 +315,7 @@ elif [ "$PART" = fourteenth ]; then
   # fetch16k5: 16 KiB / 5 ms, and uvloop).
   [ -d .ab/head/streamapp ] || { echo "no .ab/head tree (carry it)" >&2; exit 2; }
   rm -rf .ab/head/bench && cp -r bench .ab/head/bench
-  for v in ${FOURTEENTH_STEPS:-before after fetch16k}; do
-    tree=.; extra=()
-    case $v in
-      before) tree=.ab/head ;;
-      fetch16k) extra=(STREAMAPP_FETCH_MIN_BYTES=16384 STREAMAPP_FETCH_MAX_WAIT_MS=3) ;;
-      fetch16k5) extra=(STREAMAPP_FETCH_MIN_BYTES=16384 STREAMAPP_FETCH_MAX_WAIT_MS=5) ;;
-      uvloop) extra=(STREAMAPP_EVENT_LOOP=uvloop) ;;
-    esac
-    mkdir -p "$W/digits-p99-$v"
-    (cd "$tree" && step "digits-p99-$v" 170 env PYTHONPATH="/tmp/site:$PWD" \
-      STREAMAPP_INTAKE=direct BENCH_SKIP=anchor,exactly_once,policy BENCH_OL_S=8 \
-      BENCH_GENERATOR=process "${extra[@]}" python3 -m bench run --profile gpu --broker kafka \
-      --only digits --no-backlog --no-scaleout --budget-s 145 --out "$W/digits-p99-$v" \
-      --logs "$W/digits-p99-$v/logs")
-  done
+  for v in ${FOURTEENTH_STEPS:-before after fetch16k}; do p99_variant "$v"; done
 elif [ "$PART" = thirteenth-b ]; then
   # Thirteenth session, second call: the tensors at N = 16 with a longer drain (K = 48,000)
   # against the engine and the relays, then digits p99 at 70 % with the defaults, on uvloop,
@@ -321,18 +324,7 @@ elif [ "$PART" = thirteenth-b ]; then
     "group.initial.rebalance.delay.ms=3000" --only resnet50-tensor --ns 16 --ceilings aiokafka \
     --budget-s 205
   [ "${THIRTEENTH_B:-}" = none ] && THIRTEENTH_B=" "  # the tensors alone
-  for v in ${THIRTEENTH_B:-default uvloop fetch16k}; do
-    case $v in
-      default) extra=() ;;
-      uvloop) extra=(STREAMAPP_EVENT_LOOP=uvloop) ;;
-      fetch16k) extra=(STREAMAPP_FETCH_MIN_BYTES=16384 STREAMAPP_FETCH_MAX_WAIT_MS=3) ;;
-    esac
-    mkdir -p "$W/digits-p99-$v"
-    step "digits-p99-$v" 170 env STREAMAPP_INTAKE=direct BENCH_SKIP=anchor,exactly_once,policy \
-      BENCH_OL_S=8 BENCH_GENERATOR=process "${extra[@]}" python3 -m bench run --profile gpu \
-      --broker kafka --only digits --no-backlog --no-scaleout --budget-s 145 \
-      --out "$W/digits-p99-$v" --logs "$W/digits-p99-$v/logs"
-  done
+  for v in ${THIRTEENTH_B:-default uvloop fetch16k}; do p99_variant "$v"; done
 elif [ "$PART" = twelfth ] || [ "$PART" = twelfth-b ] || [ "$PART" = twelfth-c ]; then
   # Twelfth session: the open loop's generator in a process of its own (bench.load
   # GeneratorProcess) against the old one-event-loop harness (BENCH_GENERATOR=inline), same
