@@ -185,6 +185,10 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
+#: Longest paced window ``bench hotpath --rate`` accepts (s): --requests / --rate.
+_MAX_PACED_S = 3_600
+
+
 def _hotpath(args: argparse.Namespace, parser: argparse.ArgumentParser,
              log: Callable[[str], None]) -> int:
     """``python -m bench hotpath``: 1 when a rung failed or did not drain its backlog."""
@@ -193,10 +197,16 @@ def _hotpath(args: argparse.Namespace, parser: argparse.ArgumentParser,
     if unknown or not rungs:
         parser.error(f"--rungs: unknown {', '.join(unknown) or '(none given)'}; "
                      f"use {', '.join(RUNGS)}")
+    if args.requests < 1:
+        parser.error(f"--requests {args.requests}: must be at least 1")
+    if args.warmup < 0:
+        parser.error(f"--warmup {args.warmup}: must be at least 0")
     if args.rate is not None and not 0 < args.rate < math.inf:  # nan fails this too
         parser.error(f"--rate {args.rate:g}: must be a finite number above 0 records/s")
-    if args.requests < 1 or args.warmup < 0:
-        parser.error("--requests must be at least 1 and --warmup at least 0")
+    if args.rate is not None and args.requests / args.rate > _MAX_PACED_S:
+        parser.error(f"--rate {args.rate:g}: {args.requests:,} requests would take "
+                     f"{args.requests / args.rate:,.0f} s; at most {_MAX_PACED_S:,} s "
+                     f"(raise the rate or lower --requests)")
     if not 1 <= args.partitions <= 1024:
         parser.error(f"--partitions {args.partitions}: must be 1-1024")
     if not 1 <= args.devices <= 1_000_000:

@@ -80,10 +80,16 @@ p99_variant() {  # name: digits p99 at 70 % (one worker, generator in its own pr
   # fetch16k5 (16 KiB / 5 ms); writes $W/digits-p99-NAME
   local v=$1 tree=. extra=()
   case $v in
-    before) tree=.ab/head ;;
+    default|after) ;;
+    before)  # .ab/head's worker, measured by this tree's bench/
+      [ -d .ab/head/streamapp ] || { echo "no .ab/head tree (carry it)" >&2; return 2; }
+      rm -rf .ab/head/bench && cp -r bench .ab/head/bench
+      tree=.ab/head ;;
     uvloop) extra=(STREAMAPP_EVENT_LOOP=uvloop) ;;
     fetch16k) extra=(STREAMAPP_FETCH_MIN_BYTES=16384 STREAMAPP_FETCH_MAX_WAIT_MS=3) ;;
     fetch16k5) extra=(STREAMAPP_FETCH_MIN_BYTES=16384 STREAMAPP_FETCH_MAX_WAIT_MS=5) ;;
+    *) echo "unknown p99 step $v (default, after, before, uvloop, fetch16k, fetch16k5)" \
+         | tee -a "$OUT/$PART.log" >&2; return 2 ;;
   esac
   mkdir -p "$W/digits-p99-$v"
   (cd "$tree" && step "digits-p99-$v" 170 env PYTHONPATH="/tmp/site:$PWD" \
@@ -314,12 +320,12 @@ elif [ "$PART" = fourteenth ]; then
   # FOURTEENTH_STEPS picks and orders them (default: "before after fetch16k"; also
   # fetch16k5: 16 KiB / 5 ms, and uvloop).
   [ -d .ab/head/streamapp ] || { echo "no .ab/head tree (carry it)" >&2; exit 2; }
-  rm -rf .ab/head/bench && cp -r bench .ab/head/bench
   for v in ${FOURTEENTH_STEPS:-before after fetch16k}; do p99_variant "$v"; done
 elif [ "$PART" = thirteenth-b ]; then
   # Thirteenth session, second call: the tensors at N = 16 with a longer drain (K = 48,000)
   # against the engine and the relays, then digits p99 at 70 % with the defaults, on uvloop,
-  # and with fetches that wait for 16 KiB / 3 ms, in one call (~7.5 min).
+  # and with fetches that wait for 16 KiB / 3 ms, in one call (~7.5 min). THIRTEENTH_B picks
+  # and orders the p99 steps (p99_variant's names; "none": the tensors alone).
   BENCH_WORKERS_K=${THIRTEENTH_K:-48000} scaleout tensors48k 220 tensors48k \
     "group.initial.rebalance.delay.ms=3000" --only resnet50-tensor --ns 16 --ceilings aiokafka \
     --budget-s 205
@@ -364,7 +370,8 @@ elif [ "$PART" = twelfth ] || [ "$PART" = twelfth-b ] || [ "$PART" = twelfth-c ]
 else
   echo "unknown part $PART (hotpath, jpeg, groups, groups2, profile, jpeg2, jpeg3, tensors," \
     "tprofile, paced, paced-short, jpeg16, p99, fetch, fetch64, tenth, tenth-b, tenth-ab," \
-    "eleventh, eleventh-b, eleventh-one, eleventh-min, twelfth, twelfth-b, twelfth-c, thirteenth-t or thirteenth-b)" >&2
+    "eleventh, eleventh-b, eleventh-one, eleventh-min, eleventh-tb, twelfth, twelfth-b," \
+    "twelfth-c, thirteenth-t, thirteenth-b or fourteenth)" >&2
   exit 2
 fi
 tar czf "$OUT/$PART.tgz" -C "$W" . 2>/dev/null

@@ -47,8 +47,8 @@ def python_score(runs: int = 5, loops: int = _LOOPS) -> float:
 
 def cpu_shares(before: Any, after: Any) -> tuple[float, float]:
     """(busy %, steal %) of all cores between two ``psutil.cpu_times()`` readings; busy is
-    what is neither idle nor iowait nor steal (``bench.hotpath`` counts a machine's busy CPU
-    the same way, with steal in it)."""
+    what is neither idle nor iowait nor steal (``bench.hotpath``'s machine busy time counts
+    steal as busy; here it is reported apart)."""
     def get(t: Any, name: str) -> float:
         return float(getattr(t, name, 0.0))  # iowait and steal exist on Linux only
 
